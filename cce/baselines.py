@@ -1,0 +1,54 @@
+"""Baselines that materialize the logits, with the canonical signature of :mod:`cce.loss`.
+
+``torch_loss`` is the paper's Baseline: the loss written directly in PyTorch, logits upcast to
+float32 as Hugging Face transformers does. ``torch_compile_loss`` is the same function under
+torch.compile; ``chunked_loss`` is torchtune's scheme: the tokens in 8 chunks, each chunk's
+logits and loss computed by one compiled function, so only one chunk's float32 logits exist.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+NUM_CHUNKS = 8
+
+
+def _logits_loss_lse(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                     bias: Optional[torch.Tensor], softcap: Optional[float]):
+    logits = e @ c.T
+    if bias is not None:
+        logits = logits + bias
+    logits = logits.float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    loss = F.cross_entropy(logits, targets, ignore_index=-1, reduction="none")
+    return loss, torch.logsumexp(logits, dim=-1)
+
+
+@functools.cache
+def _compiled():
+    # dynamic=False: the benchmarks run fixed shapes; a recompile per new shape is expected.
+    return torch.compile(_logits_loss_lse, dynamic=False)
+
+
+def torch_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False):
+    """Materialize the logits; filter_eps and vocab_sorting do not apply (exact gradients)."""
+    return _logits_loss_lse(e, c, targets, bias, softcap)
+
+
+def torch_compile_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False):
+    return _compiled()(e, c, targets, bias, softcap)
+
+
+def chunked_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False):
+    compiled = _compiled()
+    chunks = [compiled(e_chunk, c, target_chunk, bias, softcap)
+              for e_chunk, target_chunk in zip(e.chunk(NUM_CHUNKS), targets.chunk(NUM_CHUNKS))]
+    if not chunks:  # no tokens at all
+        return _logits_loss_lse(e, c, targets, bias, softcap)
+    losses, lses = zip(*chunks)
+    return torch.cat(losses), torch.cat(lses)

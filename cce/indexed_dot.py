@@ -1,0 +1,62 @@
+"""Indexed matrix multiplication (paper Alg. 1): the target logit ``C[x_i] . E_i`` of every token.
+
+Each program takes BLOCK_TOKENS tokens, gathers their target rows of ``c`` slice by slice along D
+and reduces the elementwise product on-chip; ``C[x]`` is never built in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from cce.config import kernel_configs
+from cce.logit_tile import tanh
+
+
+@triton.jit
+def indexed_dot_kernel(
+    e_ptr, c_ptr, bias_ptr, targets_ptr, out_ptr, num_tokens, dim,
+    stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr, BLOCK_DIM: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+    row_mask = rows < num_tokens
+    targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
+    gather_mask = row_mask & (targets >= 0)  # ignored tokens (-1) read nothing
+    e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_e_row
+    c_rows = c_ptr + targets.to(tl.int64)[:, None] * stride_c_row
+    offsets_dim = tl.arange(0, BLOCK_DIM)
+    acc = tl.zeros((BLOCK_TOKENS, BLOCK_DIM), dtype=tl.float32)
+    for dim_start in range(0, dim, BLOCK_DIM):
+        dims = dim_start + offsets_dim
+        mask = gather_mask[:, None] & (dims < dim)[None, :]
+        e_block = tl.load(e_rows + dims[None, :] * stride_e_dim, mask=mask, other=0.0)
+        c_block = tl.load(c_rows + dims[None, :] * stride_c_dim, mask=mask, other=0.0)
+        acc += e_block.to(tl.float32) * c_block.to(tl.float32)
+    logit = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        logit += tl.load(bias_ptr + targets, mask=gather_mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        logit = softcap * tanh(logit / softcap)
+    tl.store(out_ptr + rows, logit, mask=row_mask)
+
+
+def indexed_dot(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                bias: Optional[torch.Tensor], softcap: Optional[float]) -> torch.Tensor:
+    """float32 (N,) target logits; 0 (or the softcapped bias-free 0) where targets is -1."""
+    num_tokens, dim = e.shape
+    out = torch.empty(num_tokens, dtype=torch.float32, device=e.device)
+    config = kernel_configs(e.dtype).indexed_dot
+    grid = (triton.cdiv(num_tokens, config.block_tokens),)
+    indexed_dot_kernel[grid](
+        e, c, bias, targets, out, num_tokens, dim,
+        e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+        BLOCK_TOKENS=config.block_tokens, BLOCK_DIM=config.block_dim,
+        num_warps=config.num_warps,
+    )
+    return out

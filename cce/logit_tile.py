@@ -1,0 +1,54 @@
+"""Device functions shared by the forward and backward kernels: one logit tile, computed on-chip.
+
+A tile is ``z = softcap(E[rows] @ C[vocab].T + bias[vocab])`` for BLOCK_TOKENS rows and
+BLOCK_VOCAB vocabulary entries, accumulated in float32 over D in BLOCK_DIM slices. ``vocab``
+holds vocabulary indices, not positions, so the backward can walk the vocabulary in sorted
+order without reordering ``c`` in memory.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tanh(x):
+    # tl has no tanh that also runs in the interpreter; 2*sigmoid(2x)-1 saturates cleanly to +-1.
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    if DOT_PRECISION == "upcast":
+        # The Triton interpreter multiplies bfloat16 bit patterns as integers; float32 products
+        # of bfloat16 values are exact, so upcasting gives the compiled kernel's result.
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def logit_tile(
+    e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
+    stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Logits of one (tokens x vocabulary) tile in float32; masked entries hold garbage-free 0s
+    before the bias/softcap, so callers must mask them themselves."""
+    offsets_dim = tl.arange(0, BLOCK_DIM)
+    e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_e_row
+    c_rows = c_ptr + vocab.to(tl.int64)[:, None] * stride_c_row
+    logits = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), dtype=tl.float32)
+    for dim_start in range(0, dim, BLOCK_DIM):
+        dims = dim_start + offsets_dim
+        dim_mask = dims < dim
+        e_block = tl.load(e_rows + dims[None, :] * stride_e_dim,
+                          mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+        c_block = tl.load(c_rows + dims[None, :] * stride_c_dim,
+                          mask=vocab_mask[:, None] & dim_mask[None, :], other=0.0)
+        logits = tile_dot(e_block, tl.trans(c_block), logits, DOT_PRECISION)
+    if HAS_BIAS:
+        logits += tl.load(bias_ptr + vocab, mask=vocab_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        logits = softcap * tanh(logits / softcap)
+    return logits

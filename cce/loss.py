@@ -1,0 +1,201 @@
+"""Public API: argument checking, target shifting, reduction and dispatch to an implementation.
+
+Every implementation (the CCE kernels and the baselines) computes the same thing from the same
+canonical inputs: ``e`` as (N, D), ``c`` as (V, D), ``targets`` as (N,) int64 with -1 at ignored
+positions. It returns the per-token loss and log-sum-exp as float32 (N,) tensors. Reduction and
+the reshaping back to ``targets``' shape happen here, once, for all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Literal, Optional, Union
+
+import torch
+from torch import nn
+
+from cce import baselines
+from cce.cce_function import cce_loss
+
+Implementation = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "cce": cce_loss,
+    "torch": baselines.torch_loss,
+    "torch_compile": baselines.torch_compile_loss,
+    "chunked": baselines.chunked_loss,
+}
+REDUCTIONS = ("mean", "sum", "none")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def default_filter_eps(dtype: torch.dtype) -> float:
+    """The paper's threshold: 2^-12 for bfloat16, i.e. the dtype's machine epsilon / 32."""
+    return torch.finfo(dtype).eps / 32
+
+
+def linear_cross_entropy(
+    e: torch.Tensor,
+    c: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    softcap: Optional[float] = None,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    shift: int = 0,
+    filter_eps: Union[float, Literal["auto"], None] = "auto",
+    vocab_sorting: bool = True,
+    return_lse: bool = False,
+    impl: str = "cce",
+) -> Union[torch.Tensor, "tuple[torch.Tensor, torch.Tensor]"]:
+    """Cross-entropy of the logits ``e @ c.T + bias`` against ``targets``, without building them.
+
+    Same result as ``F.cross_entropy(e @ c.T + bias, targets, ignore_index=..., reduction=...)``
+    (with ``softcap * tanh(logits / softcap)`` first when ``softcap`` is given), computed in
+    float32. The loss is float32 whatever the input dtype.
+
+    Args:
+        e: embeddings, shape (..., D), float32/float16/bfloat16.
+        c: classifier, shape (V, D), same dtype and device as ``e``.
+        targets: integer tensor of shape ``e.shape[:-1]``, values in [0, V) or ``ignore_index``.
+        bias: optional (V,) bias added to every logit row.
+        ignore_index: target value that contributes neither loss nor gradient.
+        softcap: logit soft-capping value (Gemma 2), or None.
+        reduction: "mean" over non-ignored tokens, "sum", or "none" (shape of ``targets``,
+            0 at ignored positions).
+        shift: position i is scored against ``targets[..., i + shift]``; the last ``shift``
+            positions count as ignored (next-token prediction without slicing ``e``).
+        filter_eps: gradient filtering threshold: skip backward tiles whose softmax entries are
+            all below it. "auto" is 2^-12 for bfloat16 (finfo(dtype).eps / 32 in general);
+            None disables filtering (exact gradients).
+        vocab_sorting: order backward tiles by average logit so that skipped tiles are common.
+        return_lse: also return the log-sum-exp of every row, shape of ``targets``.
+        impl: "cce" (Triton kernels), "torch" (materialized logits), "torch_compile" or
+            "chunked" (8 compiled chunks, torchtune-style).
+
+    Returns:
+        The loss, or ``(loss, lse)`` when ``return_lse`` is True.
+    """
+    _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
+                     vocab_sorting, impl)
+    eps = default_filter_eps(e.dtype) if filter_eps == "auto" else filter_eps
+
+    canonical_targets = _canonical_targets(targets, ignore_index, shift, c.shape[0])
+    flat_e = e.reshape(-1, e.shape[-1])
+    token_loss, lse = IMPLEMENTATIONS[impl](
+        flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting
+    )
+
+    valid = canonical_targets >= 0
+    if reduction == "none":
+        loss = token_loss.reshape(targets.shape)
+    elif reduction == "sum":
+        loss = token_loss.sum()
+    else:  # mean over non-ignored tokens; NaN when every token is ignored, as in PyTorch
+        loss = token_loss.sum() / valid.sum()
+    if return_lse:
+        return loss, lse.reshape(targets.shape)
+    return loss
+
+
+class LinearCrossEntropy(nn.Module):
+    """Module form of :func:`linear_cross_entropy`; keyword arguments are fixed at construction."""
+
+    def __init__(
+        self,
+        *,
+        bias: Optional[torch.Tensor] = None,
+        ignore_index: int = -100,
+        softcap: Optional[float] = None,
+        reduction: Literal["mean", "sum", "none"] = "mean",
+        shift: int = 0,
+        filter_eps: Union[float, Literal["auto"], None] = "auto",
+        vocab_sorting: bool = True,
+        return_lse: bool = False,
+        impl: str = "cce",
+    ) -> None:
+        super().__init__()
+        self.bias = bias
+        self.options = dict(ignore_index=ignore_index, softcap=softcap, reduction=reduction,
+                            shift=shift, filter_eps=filter_eps, vocab_sorting=vocab_sorting,
+                            return_lse=return_lse, impl=impl)
+
+    def forward(self, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor):
+        return linear_cross_entropy(e, c, targets, bias=self.bias, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
+
+
+def _canonical_targets(targets: torch.Tensor, ignore_index: int, shift: int,
+                       vocab_size: int) -> torch.Tensor:
+    """int64 targets with -1 at ignored positions, already shifted; shape of ``targets``."""
+    valid = targets != ignore_index
+    if not torch.compiler.is_compiling():
+        # One host sync: an out-of-range target would otherwise index outside c.
+        out_of_range = valid & ((targets < 0) | (targets >= vocab_size))
+        if bool(out_of_range.any()):
+            raise ValueError(f"targets must be in [0, {vocab_size}) or equal ignore_index="
+                             f"{ignore_index}; found {targets[out_of_range][0].item()}")
+    canonical = torch.where(valid, targets.long(), -1)
+    if shift:
+        ignored_tail = torch.full_like(canonical[..., :shift], -1)
+        canonical = torch.cat([canonical[..., shift:], ignored_tail], dim=-1)
+    return canonical
+
+
+def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
+                     vocab_sorting, impl) -> None:
+    for name, tensor in (("e", e), ("c", c), ("targets", targets)):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if e.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"e must be float32, float16 or bfloat16, got {e.dtype}")
+    if e.dim() < 1:
+        raise ValueError("e must have shape (..., D)")
+    if c.dim() != 2:
+        raise ValueError(f"c must have shape (V, D), got {tuple(c.shape)}")
+    if c.shape[0] == 0:
+        raise ValueError("c must have at least one row (vocabulary entry)")
+    if c.shape[1] != e.shape[-1]:
+        raise ValueError(f"c has D={c.shape[1]} but e has D={e.shape[-1]}: the last dimensions "
+                         "must match")
+    if c.dtype != e.dtype:
+        raise ValueError(f"c has dtype {c.dtype} but e has dtype {e.dtype}: they must match")
+    if c.device != e.device:
+        raise ValueError(f"c is on {c.device} but e is on {e.device}: they must match")
+    if targets.dtype == torch.bool or targets.dtype.is_floating_point or targets.is_complex():
+        raise ValueError(f"targets must be an integer tensor, got {targets.dtype}")
+    if targets.shape != e.shape[:-1]:
+        raise ValueError(f"targets has shape {tuple(targets.shape)} but must have e.shape[:-1] = "
+                         f"{tuple(e.shape[:-1])}")
+    if targets.device != e.device:
+        raise ValueError(f"targets is on {targets.device} but e is on {e.device}: they must match")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (c.shape[0],):
+            raise ValueError(f"bias must be a tensor of shape ({c.shape[0]},)")
+        if bias.dtype != e.dtype or bias.device != e.device:
+            raise ValueError("bias must have the dtype and device of e")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    if softcap is not None and not (_is_number(softcap) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(shift, bool) or not isinstance(shift, int) or shift < 0:
+        raise ValueError(f"shift must be an int >= 0, got {shift!r}")
+    if shift and e.dim() < 2:
+        raise ValueError("shift needs e with a sequence dimension, shape (..., T, D)")
+    if filter_eps not in ("auto", None) and not (
+        _is_number(filter_eps) and math.isfinite(filter_eps) and filter_eps > 0
+    ):
+        raise ValueError(f"filter_eps must be 'auto', None or a positive float, got {filter_eps!r}")
+    if not isinstance(vocab_sorting, bool):
+        raise ValueError(f"vocab_sorting must be a bool, got {vocab_sorting!r}")
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {tuple(IMPLEMENTATIONS)}, got {impl!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
