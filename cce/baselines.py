@@ -35,19 +35,27 @@ def _compiled():
     return torch.compile(_logits_loss_lse, dynamic=False)
 
 
+def _compile_settings():
+    """Scoped Dynamo settings: experiments sweep many shapes, and past the default 8
+    recompiles Dynamo would silently run eager code under the torch_compile label."""
+    return torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True)
+
+
 def torch_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False):
     """Materialize the logits; filter_eps and vocab_sorting do not apply (exact gradients)."""
     return _logits_loss_lse(e, c, targets, bias, softcap)
 
 
 def torch_compile_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False):
-    return _compiled()(e, c, targets, bias, softcap)
+    with _compile_settings():
+        return _compiled()(e, c, targets, bias, softcap)
 
 
 def chunked_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False):
     compiled = _compiled()
-    chunks = [compiled(e_chunk, c, target_chunk, bias, softcap)
-              for e_chunk, target_chunk in zip(e.chunk(NUM_CHUNKS), targets.chunk(NUM_CHUNKS))]
+    with _compile_settings():
+        chunks = [compiled(e_chunk, c, target_chunk, bias, softcap) for e_chunk, target_chunk
+                  in zip(e.chunk(NUM_CHUNKS), targets.chunk(NUM_CHUNKS))]
     if not chunks:  # no tokens at all
         return _logits_loss_lse(e, c, targets, bias, softcap)
     losses, lses = zip(*chunks)

@@ -60,8 +60,12 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
         e, c, targets = e.cuda(), c.cuda(), targets.cuda()
         bias = bias.cuda() if bias is not None else None
     if e.shape[0] == 0:
-        empty = e.new_zeros(0, dtype=torch.float32) + (e.sum() + c.sum()) * 0
+        # No tokens: zero-size outputs that still connect every input to the graph.
+        connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
+        empty = e.new_zeros(0, dtype=torch.float32) + connected * 0
         return empty, empty.clone()
+    if bias is not None:
+        bias = bias.contiguous()  # the kernels index it with unit stride
     loss, lse = LinearCrossEntropyFunction.apply(e, c, bias, targets.contiguous(), softcap,
                                                  filter_eps, vocab_sorting)
     return loss.to(device), lse.to(device)

@@ -26,6 +26,18 @@ def tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def to_dot_operand(x, dtype, DOT_PRECISION: tl.constexpr):
+    """Round float32 ``x`` to the dtype the tensor cores take (round to nearest even)."""
+    if DOT_PRECISION == "upcast":
+        # The interpreter truncates float32 -> bfloat16; round by hand and keep float32
+        # storage, which tile_dot's upcast path takes as is.
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
 def logit_tile(
     e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,

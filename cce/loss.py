@@ -116,6 +116,7 @@ class LinearCrossEntropy(nn.Module):
         impl: str = "cce",
     ) -> None:
         super().__init__()
+        _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting, impl)
         self.bias = bias
         self.options = dict(ignore_index=ignore_index, softcap=softcap, reduction=reduction,
                             shift=shift, filter_eps=filter_eps, vocab_sorting=vocab_sorting,
@@ -177,6 +178,13 @@ def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shif
             raise ValueError(f"bias must be a tensor of shape ({c.shape[0]},)")
         if bias.dtype != e.dtype or bias.device != e.device:
             raise ValueError("bias must have the dtype and device of e")
+    _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting, impl)
+    if shift and e.dim() < 2:
+        raise ValueError("shift needs e with a sequence dimension, shape (..., T, D)")
+
+
+def _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
+                   impl) -> None:
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
     if softcap is not None and not (_is_number(softcap) and math.isfinite(softcap) and softcap > 0):
@@ -185,8 +193,6 @@ def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shif
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if isinstance(shift, bool) or not isinstance(shift, int) or shift < 0:
         raise ValueError(f"shift must be an int >= 0, got {shift!r}")
-    if shift and e.dim() < 2:
-        raise ValueError("shift needs e with a sequence dimension, shape (..., T, D)")
     if filter_eps not in ("auto", None) and not (
         _is_number(filter_eps) and math.isfinite(filter_eps) and filter_eps > 0
     ):

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from cce.config import dot_precision, kernel_configs
-from cce.logit_tile import logit_tile, tile_dot
+from cce.logit_tile import logit_tile, tile_dot, to_dot_operand
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def lse_backward_kernel(
             grad = grad * (1.0 - capped * capped)
         if HAS_BIAS:
             tl.atomic_add(grad_bias_ptr + vocab, tl.sum(grad, axis=0), mask=vocab_mask)
-        grad = grad.to(e_ptr.dtype.element_ty)
+        grad = to_dot_operand(grad, e_ptr.dtype.element_ty, DOT_PRECISION)
 
         offsets_dim = tl.arange(0, BLOCK_DIM)
         row_offsets = rows.to(tl.int64)[:, None]

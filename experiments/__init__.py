@@ -1,0 +1,11 @@
+"""Benchmarks and paper reproductions; run them with ``python -m experiments``.
+
+Every experiment is a module with ``run(quick: bool, out_dir: Path) -> WrittenResults`` (see
+:mod:`experiments.harness`) that writes ``<out_dir>/<name>.json`` and ``<out_dir>/<name>.md``.
+Registering one is one line below. Modules are imported only when run, so an experiment's
+optional dependencies (transformers, datasets, ...) are needed only by that experiment.
+"""
+
+EXPERIMENTS: dict[str, str] = {
+    "compare_impls": "experiments.compare_impls",
+}

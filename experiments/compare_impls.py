@@ -1,0 +1,119 @@
+"""Every implementation and the CCE ablations on one problem: time, peak memory, accuracy.
+
+For each variant: forward, backward and forward+backward time (the backward alone is timed
+after an untimed forward), peak memory of forward and of forward+backward, and the relative
+error ``||out - ref|| / ||ref||`` of the loss, dE and dC against a float64 PyTorch reference
+computed from the same (already rounded) inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import cce
+from experiments.harness import (IGNORE_INDEX, ON_GPU, WrittenResults, make_inputs,
+                                 peak_memory_mb, progress, time_fn, write_results)
+
+NAME = "compare_impls"
+
+
+@dataclass(frozen=True)
+class ProblemSize:
+    n_tokens: int
+    vocab_size: int
+    dim: int
+
+
+QUICK_SIZE = ProblemSize(n_tokens=256, vocab_size=2048, dim=64)
+# A few seconds on one GPU; the torch baseline's float32 logits take 1 GiB.
+FULL_SIZE = ProblemSize(n_tokens=8192, vocab_size=32768, dim=1024)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    impl: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def variants() -> list[Variant]:
+    """Each implementation with its defaults, then CCE without each backward optimization."""
+    return [Variant(impl, impl) for impl in cce.IMPLEMENTATIONS] + [
+        Variant("cce (filter_eps=None)", "cce", {"filter_eps": None}),
+        Variant("cce (vocab_sorting=False)", "cce", {"vocab_sorting": False}),
+    ]
+
+
+def run(quick: bool, out_dir: Path) -> WrittenResults:
+    """The registered entry point: bfloat16 on GPU, float32 on CPU (the interpreter's case)."""
+    size = QUICK_SIZE if quick else FULL_SIZE
+    return compare(size, torch.bfloat16 if ON_GPU else torch.float32, out_dir)
+
+
+def compare(size: ProblemSize, dtype: torch.dtype, out_dir: Path) -> WrittenResults:
+    """Measure every variant on one random problem of ``size`` and write the result files."""
+    e, c, targets = make_inputs(size.n_tokens, size.vocab_size, size.dim, dtype)
+    reference = _float64_reference(e, c, targets)
+    rows = [_measure(variant, e, c, targets, reference)
+            for variant in progress(variants(), NAME, leave=False)]
+    meta = {
+        "n_tokens": size.n_tokens,
+        "vocab_size": size.vocab_size,
+        "dim": size.dim,
+        "dtype": str(dtype).removeprefix("torch."),
+        "inputs": "e ~ N(0,1), c ~ N(0,1)/sqrt(D), uniform targets, reduction='mean'",
+        "times": "median ms; bwd is the backward alone, after an untimed forward",
+        "memory": "peak MB above the inputs, outputs included (dE, dC for fwd_bwd); GPU only",
+        "errors": "||out - ref|| / ||ref|| against float64 PyTorch on the same inputs",
+    }
+    return write_results(NAME, rows, meta, out_dir)
+
+
+def _measure(variant: Variant, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+             reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+    def forward() -> torch.Tensor:
+        return cce.linear_cross_entropy(e, c, targets, ignore_index=IGNORE_INDEX,
+                                        impl=variant.impl, **variant.options)
+
+    # autograd.grad rather than .backward(): gradients do not pile up in e.grad and c.grad.
+    def backward(loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(loss, (e, c))
+
+    def forward_backward() -> tuple[torch.Tensor, ...]:
+        return backward(forward())
+
+    row: dict[str, Any] = {"variant": variant.name, "impl": variant.impl}
+    try:
+        # First call: accuracy, and compilation out of the way before any timing.
+        loss = forward()
+        de, dc = backward(loss)
+        for key, value, expected in zip(("loss_rel_err", "de_rel_err", "dc_rel_err"),
+                                        (loss, de, dc), reference):
+            row[key] = _relative_error(value, expected)
+        del loss, de, dc  # so that they do not sit in memory during the measurements
+        row["fwd_ms"] = time_fn(forward)
+        row["bwd_ms"] = time_fn(backward, setup=forward)
+        row["fwd_bwd_ms"] = time_fn(forward_backward)
+        row["fwd_peak_mb"] = peak_memory_mb(forward)
+        row["fwd_bwd_peak_mb"] = peak_memory_mb(forward_backward)
+    except Exception as error:  # one failing variant (OOM, a kernel bug) must not hide the others
+        row["error"] = f"{type(error).__name__}: {error}"
+    return row
+
+
+def _float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    e64 = e.detach().double().requires_grad_()
+    c64 = c.detach().double().requires_grad_()
+    loss = F.cross_entropy(e64 @ c64.T, targets, ignore_index=IGNORE_INDEX)
+    de, dc = torch.autograd.grad(loss, (e64, c64))
+    return loss.detach(), de, dc
+
+
+def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value.detach().double() - reference).norm() / reference.norm())

@@ -1,0 +1,197 @@
+"""Shared benchmark harness: environment, timing, peak memory, random inputs, result files.
+
+Everything runs on :data:`DEVICE`, the GPU when there is one. On CPU the timings say nothing
+about GPU performance (the Triton kernels run in the interpreter), and the result files say so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, TypeVar
+
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+IGNORE_INDEX = -100
+MISSING = "—"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WrittenResults:
+    """What :func:`write_results` wrote, and the rows that recorded an ``"error"``."""
+
+    json_path: Path
+    markdown_path: Path
+    markdown: str
+    errors: list[str]
+
+
+def environment() -> dict[str, Any]:
+    """Where and with what the results were produced; deliberately no hostname."""
+    return {
+        "device": torch.cuda.get_device_name(DEVICE) if ON_GPU else "cpu",
+        "torch": torch.__version__,
+        "triton": _package_version("triton"),
+        "cuda": torch.version.cuda if ON_GPU else None,
+        "cce": _package_version("cce"),
+        "python": platform.python_version(),
+        # cce turns the interpreter on by itself on a machine with no CUDA device.
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def time_fn(fn: Callable[..., Any], warmup: Optional[int] = None, repeats: Optional[int] = None,
+            setup: Optional[Callable[[], Any]] = None) -> float:
+    """Median time of one call of ``fn`` in milliseconds.
+
+    On GPU: CUDA events, 5 warm-up calls and the median of 20 by default. On CPU:
+    ``time.perf_counter``, 1 warm-up call and 3 timed ones, since CPU runs are only smoke tests.
+    ``setup``, when given, runs untimed before every call and its result is passed to ``fn``
+    (the forward pass, to time the backward pass alone).
+    """
+    warmup = (5 if ON_GPU else 1) if warmup is None else warmup
+    repeats = (20 if ON_GPU else 3) if repeats is None else repeats
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+
+    def one_call_ms() -> float:
+        arguments = () if setup is None else (setup(),)
+        if ON_GPU:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*arguments)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        start_s = time.perf_counter()
+        fn(*arguments)
+        return (time.perf_counter() - start_s) * 1e3
+
+    for _ in range(warmup):
+        one_call_ms()
+    return statistics.median(one_call_ms() for _ in range(repeats))
+
+
+def peak_memory_mb(fn: Callable[[], Any]) -> Optional[float]:
+    """Peak GPU memory allocated during one call of ``fn``, above what was in use before it.
+
+    Memory that ``fn`` returns counts (it was allocated during the call), memory allocated
+    before (inputs, references) does not. None on CPU, where PyTorch does not track it.
+    """
+    if not ON_GPU:
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    in_use_before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - in_use_before) / 2**20
+
+
+def make_inputs(n_tokens: int, vocab_size: int, dim: int, dtype: torch.dtype = torch.float32, *,
+                classifier_scale: float = 1.0, ignored_fraction: float = 0.0, seed: int = 0,
+                requires_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ``(e, c, targets)`` on :data:`DEVICE`.
+
+    ``e`` ~ N(0, 1) of shape (n_tokens, dim); ``c`` ~ N(0, 1) / sqrt(dim) * classifier_scale of
+    shape (vocab_size, dim), so logits have standard deviation ``classifier_scale``; targets
+    uniform in [0, vocab_size), with about ``ignored_fraction`` of them set to IGNORE_INDEX.
+    Drawn in float32 and then cast, so that every dtype gets the same values for one seed.
+    """
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    e = torch.randn(n_tokens, dim, generator=generator, device=DEVICE)
+    c = torch.randn(vocab_size, dim, generator=generator, device=DEVICE)
+    c *= classifier_scale / math.sqrt(dim)
+    targets = torch.randint(vocab_size, (n_tokens,), generator=generator, device=DEVICE)
+    ignored = torch.rand(n_tokens, generator=generator, device=DEVICE) < ignored_fraction
+    targets[ignored] = IGNORE_INDEX
+    return (e.to(dtype).requires_grad_(requires_grad), c.to(dtype).requires_grad_(requires_grad),
+            targets)
+
+
+def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
+                  out_dir: Path = Path("results")) -> WrittenResults:
+    """Write ``<out_dir>/<name>.json`` (rows, meta, environment) and ``<out_dir>/<name>.md``.
+
+    A row that failed carries an ``"error"`` string; the returned object lists them so that
+    the caller can fail loudly.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    json_path = out_dir / f"{name}.json"
+    json_path.write_text(json.dumps({"name": name, "environment": env, "meta": meta,
+                                     "rows": rows}, indent=2) + "\n")
+    markdown = _markdown_report(name, rows, meta, env)
+    markdown_path = out_dir / f"{name}.md"
+    markdown_path.write_text(markdown)
+    errors = [str(row["error"]) for row in rows if row.get("error")]
+    return WrittenResults(json_path, markdown_path, markdown, errors)
+
+
+def progress(items: Iterable[T], description: str, total: Optional[int] = None,
+             leave: bool = True) -> Iterable[T]:
+    """A tqdm progress bar over ``items`` when tqdm is installed (and stderr is a terminal)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with the optional "experiments" extra
+        return items
+    # disable=None: no bar when stderr is not a terminal, which keeps CI logs short.
+    return tqdm(items, desc=description, total=total, leave=leave, disable=None)
+
+
+def _package_version(name: str) -> Optional[str]:
+    # Read from metadata rather than imported: importing triton before cce has set
+    # TRITON_INTERPRET is not something a harness should do behind the caller's back.
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _markdown_report(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
+                     env: dict[str, Any]) -> str:
+    versions = [f"torch {env['torch']}", f"triton {env['triton']}", f"Python {env['python']}"]
+    if env["cuda"]:
+        versions.insert(1, f"CUDA {env['cuda']}")
+    lines = [f"# {name}", "", f"Device: {env['device']} · {' · '.join(versions)} · {env['date']}",
+             ""]
+    if not ON_GPU:
+        lines += ["> **CPU RUN: THESE ARE NOT GPU TIMINGS.** This machine has no CUDA device; "
+                  "the Triton kernels ran in the interpreter"
+                  f"{' (TRITON_INTERPRET=1)' if env['triton_interpret'] else ''}. Use these "
+                  "numbers to check that everything runs and agrees, never to compare speed "
+                  "or memory with the paper.", ""]
+    if meta:
+        lines += [f"- {key}: {_format(value)}" for key, value in meta.items()] + [""]
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_format(row.get(column)) for column in columns) + " |"
+              for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _format(value: Any) -> str:
+    if value is None:
+        return MISSING
+    if isinstance(value, float):
+        if value == 0 or not math.isfinite(value):
+            return str(value)
+        if abs(value) < 1e-3:  # relative errors
+            return f"{value:.2e}"
+        return f"{value:.3g}" if abs(value) < 1 else f"{value:.1f}"
+    # A table cell cannot hold a pipe or a newline.
+    return str(value).replace("|", "\\|").replace("\n", " ")

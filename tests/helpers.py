@@ -1,0 +1,164 @@
+"""Input generation, running an implementation, and tolerance checks shared by the tests."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+import cce
+from tests.reference import Result, reference, relative_error
+
+# Main case: no size is a multiple of the kernels' blocks (32 tokens x 128 vocab x 32 dims on CPU).
+N, V, D = 37, 1000, 72
+# Logit standard deviation: the softmax is neither uniform (max prob ~0.3 for V=1000) nor one-hot.
+LOGIT_SCALE = 3.0
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPE_IDS = ("fp32", "fp16", "bf16")
+
+
+@dataclass
+class Inputs:
+    """Arguments of ``linear_cross_entropy``: tensors already rounded to their dtype."""
+
+    e: torch.Tensor
+    c: torch.Tensor
+    targets: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    options: dict = field(default_factory=dict)  # keyword arguments (ignore_index, shift, ...)
+
+
+def make_inputs(
+    gen: torch.Generator,
+    device: str,
+    dtype: torch.dtype,
+    *,
+    shape: Sequence[int] = (N,),
+    vocab: int = V,
+    dim: int = D,
+    scale: float = LOGIT_SCALE,
+    bias: bool = False,
+    ignore_index: int = -100,
+    ignored_fraction: float = 0.1,
+    **options,
+) -> Inputs:
+    """Random inputs with logits of standard deviation ``scale``.
+
+    e ~ N(0, 1) and c ~ N(0, scale^2 / dim), so that e @ c.T ~ N(0, scale^2); bias ~ N(0, 1).
+    A fraction of the targets (at least one when there are tokens) is set to ``ignore_index``.
+    """
+    e = torch.randn(*shape, dim, generator=gen)
+    c = torch.randn(vocab, dim, generator=gen) * (scale / math.sqrt(dim))
+    b = torch.randn(vocab, generator=gen) if bias else None
+    targets = torch.randint(0, vocab, tuple(shape), generator=gen)
+    num_tokens = targets.numel()
+    if num_tokens and ignored_fraction > 0:
+        num_ignored = max(1, round(ignored_fraction * num_tokens))
+        ignored = torch.randperm(num_tokens, generator=gen)[:num_ignored]
+        targets.view(-1)[ignored] = ignore_index
+    if ignore_index != -100:
+        options["ignore_index"] = ignore_index
+    return Inputs(e.to(device, dtype), c.to(device, dtype), targets.to(device),
+                  None if b is None else b.to(device, dtype), options)
+
+
+def make_grad_output(gen: torch.Generator, inputs: Inputs, reduction: str) -> torch.Tensor:
+    """A random upstream gradient, so that the tests also check it is applied (not assumed 1)."""
+    if reduction == "none":
+        grad = torch.randn(inputs.targets.shape, generator=gen)
+    else:
+        grad = 0.5 + torch.rand((), generator=gen)
+    return grad.to(inputs.targets.device)
+
+
+def run(impl: str, inputs: Inputs, grad_output: torch.Tensor,
+        grad_lse: Optional[torch.Tensor] = None, **options) -> Result:
+    """Loss and lse of ``impl`` (return_lse=True) and gradients of ``(loss * grad_output).sum()``
+    (plus ``(lse * grad_lse).sum()`` when ``grad_lse`` is given).
+
+    The tensors are detached and made leaves without changing their layout: a non-contiguous
+    view stays non-contiguous.
+    """
+    e = inputs.e.detach().requires_grad_()
+    c = inputs.c.detach().requires_grad_()
+    bias = None if inputs.bias is None else inputs.bias.detach().requires_grad_()
+    loss, lse = cce.linear_cross_entropy(e, c, inputs.targets, bias=bias, return_lse=True,
+                                         impl=impl, **{**inputs.options, **options})
+    leaves = [e, c] + ([bias] if bias is not None else [])
+    outputs, upstream = [loss], [grad_output]
+    if grad_lse is not None:
+        outputs.append(lse)
+        upstream.append(grad_lse)
+    grads = torch.autograd.grad(outputs, leaves, upstream)
+    return Result(loss.detach(), lse.detach(), grads[0], grads[1],
+                  grads[2] if bias is not None else None)
+
+
+def run_reference(inputs: Inputs, grad_output: torch.Tensor,
+                  grad_lse: Optional[torch.Tensor] = None, **options) -> Result:
+    """The float64 reference on the same inputs; options not in its semantics are dropped."""
+    options = {**inputs.options, **options}
+    keep = ("ignore_index", "softcap", "reduction", "shift")
+    return reference(inputs.e, inputs.c, inputs.targets, bias=inputs.bias,
+                     grad_output=grad_output, grad_lse=grad_lse,
+                     **{k: v for k, v in options.items() if k in keep})
+
+
+def tolerances(impl: str, dtype: torch.dtype) -> "tuple[float, float]":
+    """(forward, gradient) relative-error tolerances against the float64 reference.
+
+    float32: 1e-5 everywhere. float16/bfloat16: the CCE kernels accumulate in float32 from the
+    same rounded inputs, so loss and lse are accurate to 1e-4; gradients are rounded to the
+    input dtype, 4e-3. The materializing baselines ("torch", "torch_compile", "chunked") round
+    the logits ``e @ c.T`` to the input dtype before upcasting them (as Hugging Face does), so
+    in 16-bit they are only accurate to a few units of that rounding: ``finfo(dtype).eps`` on
+    the forward pass and twice that on gradients.
+    """
+    if dtype == torch.float32:
+        return 1e-5, 1e-5
+    if impl == "cce":
+        return 1e-4, 4e-3
+    eps = torch.finfo(dtype).eps
+    return eps, 2 * eps
+
+
+def assert_matches(result: Result, ref: Result, impl: str, dtype: torch.dtype,
+                   targets: torch.Tensor, reduction: str) -> None:
+    """Output dtypes/shapes are as specified and every quantity is within tolerance."""
+    expected_loss_shape = targets.shape if reduction == "none" else torch.Size([])
+    assert result.loss.dtype == torch.float32, f"loss dtype {result.loss.dtype}"
+    assert result.lse.dtype == torch.float32, f"lse dtype {result.lse.dtype}"
+    assert result.loss.shape == expected_loss_shape, f"loss shape {tuple(result.loss.shape)}"
+    assert result.lse.shape == targets.shape, f"lse shape {tuple(result.lse.shape)}"
+    assert result.grad_e.dtype == dtype and result.grad_c.dtype == dtype
+
+    forward_tol, grad_tol = tolerances(impl, dtype)
+    errors = {"loss": relative_error(result.loss, ref.loss),
+              "lse": relative_error(result.lse, ref.lse),
+              "grad_e": relative_error(result.grad_e, ref.grad_e),
+              "grad_c": relative_error(result.grad_c, ref.grad_c)}
+    if ref.grad_bias is not None:
+        assert result.grad_bias is not None
+        errors["grad_bias"] = relative_error(result.grad_bias, ref.grad_bias)
+    limits = {name: forward_tol if name in ("loss", "lse") else grad_tol for name in errors}
+    failed = {name: f"{err:.2e} > {limits[name]:.0e}" for name, err in errors.items()
+              if not err <= limits[name]}
+    assert not failed, (f"impl={impl} dtype={dtype}: relative errors {failed} "
+                        f"(all: { {k: f'{v:.1e}' for k, v in errors.items()} })")
+
+
+def check(impl: str, inputs: Inputs, gen: torch.Generator, reduction: str = "mean",
+          lse_gradient: bool = False, **options) -> Result:
+    """Run ``impl`` and the reference on ``inputs`` and assert they agree; returns the result.
+
+    With ``lse_gradient`` the lse also receives a random upstream gradient.
+    """
+    grad_output = make_grad_output(gen, inputs, reduction)
+    grad_lse = (torch.randn(inputs.targets.shape, generator=gen).to(inputs.targets.device)
+                if lse_gradient else None)
+    result = run(impl, inputs, grad_output, grad_lse, reduction=reduction, **options)
+    ref = run_reference(inputs, grad_output, grad_lse, reduction=reduction, **options)
+    assert_matches(result, ref, impl, inputs.e.dtype, inputs.targets, reduction)
+    return result

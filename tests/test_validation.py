@@ -1,0 +1,171 @@
+"""Specification of argument checking and of degenerate-but-valid inputs.
+
+Bad input raises ``ValueError`` whose message names the offending argument (checked as a whole
+word, so "c" does not match the "c" inside another word). Degenerate input that is valid (a
+shift longer than the sequence, no tokens at all) gives PyTorch's results for an empty loss:
+"mean" is NaN, "sum" is 0, "none" is all zeros, and every gradient is zero.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable
+
+import pytest
+import torch
+
+import cce
+
+V, D = 10, 16
+IMPLS = ("cce", "torch", "torch_compile", "chunked")
+COMPUTE_IMPLS = ("cce", "torch")  # impls run by the tests that compute something
+
+
+def names(*arguments: str) -> str:
+    """A regex matching a message that names every one of ``arguments`` as a whole word."""
+    return "".join(rf"(?=.*(?<![\w.]){re.escape(arg)}(?![\w(]))" for arg in arguments)
+
+
+def valid_arguments(device: str) -> dict:
+    """A valid call: e (4, 6, D), c (V, D), targets (4, 6) with one ignored position."""
+    gen = torch.Generator().manual_seed(0)
+    targets = torch.randint(0, V, (4, 6), generator=gen)
+    targets[0, 0] = -100
+    return dict(e=torch.randn(4, 6, D, generator=gen).to(device),
+                c=torch.randn(V, D, generator=gen).to(device),
+                targets=targets.to(device))
+
+
+def call(arguments: dict, **options):
+    return cce.linear_cross_entropy(arguments.pop("e"), arguments.pop("c"),
+                                    arguments.pop("targets"), **arguments, **options)
+
+
+def test_valid_arguments_are_accepted(device: str) -> None:
+    """The baseline call of this file works, so the failures below are due to the change."""
+    loss = call(valid_arguments(device), impl="torch")
+    assert loss.shape == () and torch.isfinite(loss)
+
+
+# Each case: (id, change to the valid arguments, argument names the message must contain).
+Change = Callable[[dict], None]
+BAD_ARGUMENTS: "list[tuple[str, Change, tuple[str, ...]]]" = [
+    ("D-mismatch", lambda a: a.update(c=torch.randn(V, D + 1, device=a["e"].device)),
+     ("c", "e")),
+    ("dtype-mismatch", lambda a: a.update(c=a["c"].half()), ("c", "e")),
+    ("e-float64", lambda a: a.update(e=a["e"].double(), c=a["c"].double()), ("e",)),
+    ("e-integer", lambda a: a.update(e=a["e"].long(), c=a["c"].long()), ("e",)),
+    ("c-device", lambda a: a.update(c=a["c"].to("meta")), ("c", "e")),
+    ("targets-device", lambda a: a.update(targets=a["targets"].to("meta")), ("targets",)),
+    ("c-not-2d", lambda a: a.update(c=a["c"][None]), ("c",)),
+    ("targets-float", lambda a: a.update(targets=a["targets"].float()), ("targets",)),
+    ("targets-bool", lambda a: a.update(targets=a["targets"] > 0), ("targets",)),
+    ("targets-shape", lambda a: a.update(targets=a["targets"][:, :5]), ("targets",)),
+    ("targets-flattened", lambda a: a.update(targets=a["targets"].reshape(-1)), ("targets",)),
+    ("target-equals-V", lambda a: a["targets"].__setitem__((1, 2), V), ("targets",)),
+    ("target-negative", lambda a: a["targets"].__setitem__((1, 2), -1), ("targets",)),
+    ("target-default-ignore-index-not-ignored",
+     lambda a: a.update(ignore_index=7), ("targets",)),  # targets[0, 0] == -100 != 7
+    ("reduction", lambda a: a.update(reduction="avg"), ("reduction",)),
+    ("impl", lambda a: a.update(impl="triton"), ("impl",)),
+    ("shift-negative", lambda a: a.update(shift=-1), ("shift",)),
+    ("filter_eps-zero", lambda a: a.update(filter_eps=0.0), ("filter_eps",)),
+    ("filter_eps-negative", lambda a: a.update(filter_eps=-1e-3), ("filter_eps",)),
+    ("filter_eps-nan", lambda a: a.update(filter_eps=math.nan), ("filter_eps",)),
+    ("filter_eps-string", lambda a: a.update(filter_eps="none"), ("filter_eps",)),
+    ("bias-too-long", lambda a: a.update(bias=torch.zeros(V + 1, device=a["e"].device)),
+     ("bias",)),
+    ("bias-2d", lambda a: a.update(bias=torch.zeros(1, V, device=a["e"].device)), ("bias",)),
+    ("bias-dtype", lambda a: a.update(bias=torch.zeros(V, device=a["e"].device).half()),
+     ("bias",)),
+    ("bias-device", lambda a: a.update(bias=torch.zeros(V, device="meta")), ("bias",)),
+    ("softcap-zero", lambda a: a.update(softcap=0.0), ("softcap",)),
+    ("softcap-negative", lambda a: a.update(softcap=-30.0), ("softcap",)),
+    ("ignore_index-float", lambda a: a.update(ignore_index=-100.0), ("ignore_index",)),
+    ("vocab_sorting-string", lambda a: a.update(vocab_sorting="yes"), ("vocab_sorting",)),
+]
+
+
+@pytest.mark.parametrize("change, arguments_named", [case[1:] for case in BAD_ARGUMENTS],
+                         ids=[case[0] for case in BAD_ARGUMENTS])
+def test_bad_argument_raises_value_error_naming_it(change: Change, arguments_named: tuple,
+                                                   device: str) -> None:
+    """Every bad argument is rejected before any computation, with a message naming it."""
+    arguments = valid_arguments(device)
+    change(arguments)
+    with pytest.raises(ValueError, match=names(*arguments_named)):
+        call(arguments)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_of_range_target_rejected_by_every_impl(impl: str, device: str) -> None:
+    """Range checking is part of the API, not of one implementation."""
+    arguments = valid_arguments(device)
+    arguments["targets"][2, 3] = V
+    with pytest.raises(ValueError, match=names("targets")):
+        call(arguments, impl=impl)
+
+
+@pytest.mark.parametrize("option, value", [("reduction", "avg"), ("impl", "triton"),
+                                           ("shift", -1), ("filter_eps", 0.0)])
+def test_module_checks_options_when_constructed(option: str, value) -> None:
+    """LinearCrossEntropy rejects a bad option at construction, naming it."""
+    with pytest.raises(ValueError, match=names(option)):
+        cce.LinearCrossEntropy(**{option: value})
+
+
+# --- Degenerate but valid inputs -------------------------------------------------------------
+
+
+def _loss_and_grads(impl: str, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                    reduction: str, **options):
+    e = e.detach().requires_grad_()
+    c = c.detach().requires_grad_()
+    bias = torch.zeros(c.shape[0], device=c.device, dtype=c.dtype, requires_grad=True)
+    loss, lse = cce.linear_cross_entropy(e, c, targets, bias=bias, reduction=reduction,
+                                         return_lse=True, impl=impl, **options)
+    grad_output = torch.full_like(loss, 0.5)
+    grads = torch.autograd.grad(loss, [e, c, bias], grad_output)
+    return loss, lse, grads
+
+
+def _assert_empty_loss(loss: torch.Tensor, reduction: str, targets: torch.Tensor) -> None:
+    assert loss.dtype == torch.float32
+    if reduction == "mean":
+        assert loss.shape == () and torch.isnan(loss), "mean over no tokens is NaN, as in PyTorch"
+    elif reduction == "sum":
+        assert loss.shape == () and loss.item() == 0.0
+    else:
+        assert loss.shape == targets.shape and torch.all(loss == 0)
+
+
+@pytest.mark.parametrize("shift", [5, 8], ids=["shift=T", "shift>T"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("impl", COMPUTE_IMPLS)
+def test_shift_not_shorter_than_sequence_ignores_everything(impl: str, reduction: str,
+                                                             shift: int, device: str) -> None:
+    """shift >= sequence length is valid: no position has a target, so nothing is scored."""
+    arguments = valid_arguments(device)
+    e, c, targets = arguments["e"][:, :5], arguments["c"], arguments["targets"][:, :5]
+    loss, lse, grads = _loss_and_grads(impl, e, c, targets, reduction, shift=shift)
+    _assert_empty_loss(loss, reduction, targets)
+    assert lse.shape == targets.shape and torch.isfinite(lse).all()
+    for grad in grads:
+        assert torch.all(grad == 0)
+
+
+@pytest.mark.parametrize("batch_shape", [(0,), (3, 0)], ids=["N=0", "B=3,T=0"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("impl", COMPUTE_IMPLS)
+def test_empty_batch(impl: str, reduction: str, batch_shape: tuple, device: str) -> None:
+    """No tokens at all: sum is 0, mean is NaN, "none" and lse are empty; gradients are zero
+    tensors of the inputs' shapes."""
+    c = torch.randn(V, D, device=device)
+    e = torch.randn(*batch_shape, D, device=device)
+    targets = torch.zeros(batch_shape, dtype=torch.long, device=device)
+    loss, lse, (grad_e, grad_c, grad_bias) = _loss_and_grads(impl, e, c, targets, reduction)
+    _assert_empty_loss(loss, reduction, targets)
+    assert lse.shape == targets.shape and lse.dtype == torch.float32
+    assert grad_e.shape == e.shape and grad_c.shape == c.shape and grad_bias.shape == (V,)
+    assert torch.all(grad_c == 0) and torch.all(grad_bias == 0)
