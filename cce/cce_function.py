@@ -6,10 +6,12 @@ from typing import Optional
 
 import torch
 
-from cce.config import interpreting
+from cce.backward_classifier import backward_classifier
+from cce.backward_embeddings import backward_embeddings
+from cce.config import interpreting, kernel_configs
 from cce.indexed_dot import indexed_dot
-from cce.lse_backward import lse_backward
 from cce.lse_forward import lse_forward
+from cce.vocab_order import live_tiles, vocab_order
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -20,32 +22,33 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 targets: torch.Tensor, softcap: Optional[float], filter_eps: Optional[float],
                 vocab_sorting: bool):
         needs_grad = any(ctx.needs_input_grad[:3])
+        order = vocab_order(e, c, bias, targets) if needs_grad and vocab_sorting else None
         target_logit = indexed_dot(e, c, targets, bias, softcap)
-        lse, vocab_logit_sum = lse_forward(e, c, targets, bias, softcap,
-                                           sum_vocab_logits=needs_grad and vocab_sorting)
-        valid = targets >= 0
-        loss = torch.where(valid, lse - target_logit, 0.0)
-        ctx.save_for_backward(e, c, bias, targets, lse, vocab_logit_sum)
+        lse, tile_max = lse_forward(e, c, bias, softcap, order,
+                                    record_tile_max=needs_grad and filter_eps is not None)
+        loss = torch.where(targets >= 0, lse - target_logit, 0.0)
+        ctx.save_for_backward(e, c, bias, targets, lse, order, tile_max)
         ctx.softcap = softcap
         ctx.filter_eps = filter_eps
-        ctx.mark_non_differentiable(targets)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
-        e, c, bias, targets, lse, vocab_logit_sum = ctx.saved_tensors
-        valid = targets >= 0
-        target_scale = (torch.where(valid, grad_loss.float(), 0.0) if grad_loss is not None
-                        else torch.zeros_like(lse))
+        e, c, bias, targets, lse, order, tile_max = ctx.saved_tensors
+        target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
+                        if grad_loss is not None else torch.zeros_like(lse))
         prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
-        vocab_order = None
-        if vocab_logit_sum is not None:
-            # Decreasing average logit: likely tokens share tiles, the rest form skippable tiles.
-            vocab_order = torch.argsort(vocab_logit_sum, descending=True).to(torch.int32)
-        grad_e, grad_c, grad_bias = lse_backward(
-            e, c, targets, bias, ctx.softcap, lse, prob_scale, target_scale, vocab_order,
-            ctx.filter_eps,
-        )
+        live = None
+        if tile_max is not None:
+            grid = kernel_configs(e.dtype).lse_forward
+            live = live_tiles(tile_max, lse, targets, order, grid.block_tokens,
+                              grid.block_vocab, ctx.filter_eps)
+        arguments = (e, c, targets, bias, ctx.softcap, lse, prob_scale, target_scale, order,
+                     live, ctx.filter_eps)
+        grad_e = backward_embeddings(*arguments) if ctx.needs_input_grad[0] else None
+        grad_c, grad_bias = (backward_classifier(*arguments)
+                             if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+                             else (None, None))
         return grad_e, grad_c, grad_bias, None, None, None, None
 
 

@@ -1,9 +1,14 @@
 """Block sizes and launch settings of every kernel, in one place.
 
-The Triton interpreter (CPU) runs one program at a time with numpy, so it wants few, large
-programs; compiled kernels want tiles that fill the tensor cores (128-wide bf16 tiles on Hopper).
-float32 inputs use exact fp32 dot products (``input_precision="ieee"``), which hold more
-registers per element, so their tiles are smaller.
+The forward's (block_tokens, block_vocab) is also the grid of the live-tile table that the
+backward kernels read, so their blocks must divide it. Each backward program accumulates a
+(block_tokens or block_vocab) x block_out float32 slice of dE or dC in registers and recomputes
+a logit tile for every block_out columns, so a wider block_out means less recompute but more
+registers.
+
+The Triton interpreter (CPU) runs one program at a time with numpy: it wants few, large
+programs. float32 inputs use exact fp32 dot products (``input_precision="ieee"``), which hold
+more registers per element, so their tiles are smaller.
 """
 
 from __future__ import annotations
@@ -15,40 +20,59 @@ import torch
 
 
 @dataclass(frozen=True)
-class TileConfig:
+class KernelConfig:
     block_tokens: int
     block_vocab: int
-    block_dim: int
+    block_dim: int  # D slice of each logit-tile product
+    block_out: int = 0  # backward: columns of dE / dC that one program owns
     num_warps: int = 4
     num_stages: int = 2
 
 
 @dataclass(frozen=True)
 class KernelConfigs:
-    indexed_dot: TileConfig
-    lse_forward: TileConfig
-    lse_backward: TileConfig
+    indexed_dot: KernelConfig
+    lse_forward: KernelConfig
+    backward_embeddings: KernelConfig
+    backward_classifier: KernelConfig
+
+    def __post_init__(self):
+        grid = self.lse_forward
+        for name in ("backward_embeddings", "backward_classifier"):
+            config = getattr(self, name)
+            if grid.block_tokens % config.block_tokens or grid.block_vocab % config.block_vocab:
+                raise ValueError(f"{name} blocks must divide the forward's tile grid")
 
 
 _INTERPRETER = KernelConfigs(
-    indexed_dot=TileConfig(block_tokens=32, block_vocab=1, block_dim=32),
-    lse_forward=TileConfig(block_tokens=32, block_vocab=128, block_dim=32),
-    lse_backward=TileConfig(block_tokens=32, block_vocab=128, block_dim=32),
+    indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=32),
+    lse_forward=KernelConfig(block_tokens=32, block_vocab=128, block_dim=32),
+    backward_embeddings=KernelConfig(block_tokens=32, block_vocab=128, block_dim=32,
+                                     block_out=64),
+    backward_classifier=KernelConfig(block_tokens=32, block_vocab=64, block_dim=32,
+                                     block_out=64),
 )
 _GPU_16BIT = KernelConfigs(
-    indexed_dot=TileConfig(block_tokens=32, block_vocab=1, block_dim=128),
-    lse_forward=TileConfig(block_tokens=128, block_vocab=128, block_dim=64, num_warps=8,
-                           num_stages=3),
-    lse_backward=TileConfig(block_tokens=128, block_vocab=128, block_dim=64, num_warps=8,
-                            num_stages=2),
+    indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=128),
+    lse_forward=KernelConfig(block_tokens=128, block_vocab=128, block_dim=64, num_warps=8,
+                             num_stages=3),
+    backward_embeddings=KernelConfig(block_tokens=64, block_vocab=128, block_dim=64,
+                                     block_out=256, num_warps=8, num_stages=3),
+    backward_classifier=KernelConfig(block_tokens=128, block_vocab=64, block_dim=64,
+                                     block_out=256, num_warps=8, num_stages=3),
 )
 _GPU_32BIT = KernelConfigs(
-    indexed_dot=TileConfig(block_tokens=32, block_vocab=1, block_dim=64),
-    lse_forward=TileConfig(block_tokens=64, block_vocab=64, block_dim=32, num_warps=4,
-                           num_stages=2),
-    lse_backward=TileConfig(block_tokens=64, block_vocab=64, block_dim=32, num_warps=4,
-                            num_stages=2),
+    indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=64),
+    lse_forward=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32),
+    backward_embeddings=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32,
+                                     block_out=64),
+    backward_classifier=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32,
+                                     block_out=64),
 )
+
+# Forward programs per streaming multiprocessor: enough to hide the tail of uneven waves,
+# few enough that each program amortizes its one lock acquisition over many tiles.
+_FORWARD_PROGRAMS_PER_SM = 8
 
 
 def interpreting() -> bool:
@@ -59,6 +83,16 @@ def kernel_configs(dtype: torch.dtype) -> KernelConfigs:
     if interpreting():
         return _INTERPRETER
     return _GPU_32BIT if dtype == torch.float32 else _GPU_16BIT
+
+
+def forward_vocab_splits(num_token_blocks: int, num_vocab_blocks: int,
+                         device: torch.device) -> int:
+    """How many programs share one token block's vocabulary in the forward."""
+    if interpreting():
+        return min(2, num_vocab_blocks)  # still exercises the cross-program LSE merge
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = -(-_FORWARD_PROGRAMS_PER_SM * sm_count // num_token_blocks)  # ceiling division
+    return max(1, min(num_vocab_blocks, wanted))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

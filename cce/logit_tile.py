@@ -26,14 +26,13 @@ def tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def to_dot_operand(x, dtype, DOT_PRECISION: tl.constexpr):
-    """Round float32 ``x`` to the dtype the tensor cores take (round to nearest even)."""
+def round_to(x, dtype, DOT_PRECISION: tl.constexpr):
+    """``x.to(dtype)``, rounding to nearest even also in the interpreter (DOT_PRECISION
+    "upcast"), whose float32 -> bfloat16 conversion truncates."""
     if DOT_PRECISION == "upcast":
-        # The interpreter truncates float32 -> bfloat16; round by hand and keep float32
-        # storage, which tile_dot's upcast path takes as is.
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        x = bits.to(tl.float32, bitcast=True)  # exact in bfloat16 now: truncation is exact
     return x.to(dtype)
 
 
@@ -64,3 +63,44 @@ def logit_tile(
     if HAS_SOFTCAP:
         logits = softcap * tanh(logits / softcap)
     return logits
+
+
+@triton.jit
+def logit_gradient_tile(
+    e_ptr, c_ptr, bias_ptr, targets_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
+    rows, row_mask, vocab, vocab_mask, dim,
+    stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Recompute one tile and return (gradient of the pre-softcap logits in float32, keep).
+
+    The gradient is ``prob_scale[i] * softmax_ij - target_scale[i] * [j == x_i]``, times the
+    softcap derivative. ``keep`` is False when gradient filtering proves the tile negligible:
+    every entry of ``softmax - onehot`` (on rows with a gradient) is below ``filter_eps``.
+    """
+    logits = logit_tile(
+        e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
+        stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
+        HAS_BIAS, HAS_SOFTCAP, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
+    )
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    prob_scale = tl.load(prob_scale_ptr + rows, mask=row_mask, other=0.0)
+    target_scale = tl.load(target_scale_ptr + rows, mask=row_mask, other=0.0)
+    targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
+
+    live = (prob_scale != 0.0)[:, None] & vocab_mask[None, :]
+    probs = tl.where(live, tl.exp(logits - lse[:, None]), 0.0)
+    is_target = (vocab[None, :] == targets[:, None]) & vocab_mask[None, :]
+    keep = True
+    if FILTER:
+        # Entries of S - onehot; the NaN test keeps NaN inputs propagating as in PyTorch.
+        magnitude = tl.abs(probs - is_target.to(tl.float32))
+        significant = (magnitude >= filter_eps) | (magnitude != magnitude)
+        keep = tl.max(significant.to(tl.int32)) > 0
+    grad = probs * prob_scale[:, None] - tl.where(is_target, target_scale[:, None], 0.0)
+    if HAS_SOFTCAP:
+        capped = logits / softcap
+        grad = grad * (1.0 - capped * capped)
+    return grad, keep

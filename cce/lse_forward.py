@@ -1,10 +1,15 @@
 """Linear-log-sum-exp forward (paper Alg. 2): ``LSE_i = logsumexp_j(C_j . E_i)`` without logits.
 
-Each program computes one (tokens x vocabulary) logit tile on-chip, reduces it to a per-row
-log-sum-exp and merges that into the global LSE under a spin lock (one lock per token block),
-so the N x V logits never reach global memory. When gradients will follow, it also adds the
-tile's column sums into a per-vocabulary logit sum (atomic add): the backward sorts the
-vocabulary by it so that negligible tiles cluster and gradient filtering skips them.
+Each program owns one block of tokens and a contiguous range of vocabulary blocks. It computes
+their logit tiles on-chip, keeps a running per-row (max, sum of exponentials) in registers and
+merges the result into the global LSE once, under a spin lock (one lock per token block), so
+the N x V logits never reach global memory and the lock is taken once per program rather than
+once per tile.
+
+When a backward will follow it also records every tile's largest logit. With the LSE, that
+bounds the tile's largest softmax entry, so the backward can skip negligible tiles without
+recomputing them. Tiles follow ``vocab_order`` when given (vocabulary sorting), so that the
+forward's and the backward's tiles are the same.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import dot_precision, kernel_configs
+from cce.config import dot_precision, forward_vocab_splits, kernel_configs
 from cce.logit_tile import logit_tile
 
 
@@ -29,72 +34,88 @@ def log_add_exp(a, b):
 
 @triton.jit
 def lse_forward_kernel(
-    e_ptr, c_ptr, bias_ptr, targets_ptr, lse_ptr, locks_ptr, vocab_logit_sum_ptr,
-    num_tokens, vocab_size, dim,
+    e_ptr, c_ptr, bias_ptr, vocab_order_ptr, lse_ptr, locks_ptr, tile_max_ptr,
+    num_tokens, vocab_size, dim, vocab_blocks_per_program,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SUM_VOCAB_LOGITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
+    RECORD_TILE_MAX: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # Token blocks vary fastest: the programs in flight share one slice of c (read once from
-    # memory) while the much smaller e stays in L2.
+    # Token blocks vary fastest: the programs in flight walk the same slice of c at about the
+    # same time (read once from memory), while the much smaller e stays in L2.
     num_token_blocks = tl.cdiv(num_tokens, BLOCK_TOKENS)
+    num_vocab_blocks = tl.cdiv(vocab_size, BLOCK_VOCAB)
     token_block = tl.program_id(0) % num_token_blocks
-    vocab_block = tl.program_id(0) // num_token_blocks
+    first_vocab_block = (tl.program_id(0) // num_token_blocks) * vocab_blocks_per_program
+    last_vocab_block = tl.minimum(first_vocab_block + vocab_blocks_per_program, num_vocab_blocks)
 
     rows = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-    vocab = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
     row_mask = rows < num_tokens
-    vocab_mask = vocab < vocab_size
-
-    logits = logit_tile(
-        e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
-        stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
-        HAS_BIAS, HAS_SOFTCAP, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
-    )
-    # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0) of mass).
-    logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
-
-    if SUM_VOCAB_LOGITS:
-        targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
-        counted = (targets >= 0)[:, None] & vocab_mask[None, :]
-        column_sums = tl.sum(tl.where(counted, logits, 0.0), axis=0)
-        tl.atomic_add(vocab_logit_sum_ptr + vocab, column_sums, mask=vocab_mask)
-
-    tile_max = tl.max(logits, axis=1)
-    tile_lse = tile_max + tl.log(tl.sum(tl.exp(logits - tile_max[:, None]), axis=1))
+    running_max = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
+    for vocab_block in range(first_vocab_block, last_vocab_block):
+        positions = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
+        vocab_mask = positions < vocab_size
+        if SORTED:
+            vocab = tl.load(vocab_order_ptr + positions, mask=vocab_mask, other=0)
+        else:
+            vocab = positions
+        logits = logit_tile(
+            e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
+            stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
+            HAS_BIAS, HAS_SOFTCAP, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
+        )
+        # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)).
+        logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
+        if RECORD_TILE_MAX:
+            valid_logits = tl.where(row_mask[:, None], logits, float("-inf"))
+            tl.store(tile_max_ptr + token_block * num_vocab_blocks + vocab_block,
+                     tl.max(tl.max(valid_logits, axis=1), axis=0))
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = (running_sum * tl.exp(running_max - safe_max)
+                       + tl.sum(tl.exp(logits - safe_max[:, None]), axis=1))
+        running_max = new_max
+    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+    program_lse = safe_max + tl.log(running_sum)
 
     lock = locks_ptr + token_block
     while tl.atomic_cas(lock, 0, 1) == 1:
         pass
     # .cg: read the merged value from L2, never a stale L1 line of another program's update.
     current = tl.load(lse_ptr + rows, mask=row_mask, cache_modifier=".cg")
-    tl.store(lse_ptr + rows, log_add_exp(current, tile_lse), mask=row_mask)
+    tl.store(lse_ptr + rows, log_add_exp(current, program_lse), mask=row_mask)
     tl.debug_barrier()  # every thread's store is issued before the lock is released
     tl.atomic_xchg(lock, 0)
 
 
-def lse_forward(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                bias: Optional[torch.Tensor], softcap: Optional[float],
-                sum_vocab_logits: bool) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
-    """float32 (N,) log-sum-exp of every row, and the (V,) sum of each vocabulary entry's logit
-    over non-ignored tokens when ``sum_vocab_logits`` (else None)."""
+def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                softcap: Optional[float], vocab_order: Optional[torch.Tensor],
+                record_tile_max: bool) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
+    """float32 (N,) log-sum-exp of every row and, when ``record_tile_max``, the float32
+    (token blocks, vocabulary blocks) largest logit of every tile (in ``vocab_order``)."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     config = kernel_configs(e.dtype).lse_forward
     num_token_blocks = triton.cdiv(num_tokens, config.block_tokens)
+    num_vocab_blocks = triton.cdiv(vocab_size, config.block_vocab)
+    splits = forward_vocab_splits(num_token_blocks, num_vocab_blocks, e.device)
+    vocab_blocks_per_program = triton.cdiv(num_vocab_blocks, splits)
+    splits = triton.cdiv(num_vocab_blocks, vocab_blocks_per_program)
+
     lse = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=e.device)
     locks = torch.zeros(num_token_blocks, dtype=torch.int32, device=e.device)
-    vocab_logit_sum = (torch.zeros(vocab_size, dtype=torch.float32, device=e.device)
-                       if sum_vocab_logits else None)
-    grid = (num_token_blocks * triton.cdiv(vocab_size, config.block_vocab),)
-    lse_forward_kernel[grid](
-        e, c, bias, targets, lse, locks, vocab_logit_sum, num_tokens, vocab_size, dim,
+    tile_max = (torch.empty((num_token_blocks, num_vocab_blocks), dtype=torch.float32,
+                            device=e.device) if record_tile_max else None)
+    lse_forward_kernel[(num_token_blocks * splits,)](
+        e, c, bias, vocab_order, lse, locks, tile_max,
+        num_tokens, vocab_size, dim, vocab_blocks_per_program,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        SUM_VOCAB_LOGITS=sum_vocab_logits,
+        SORTED=vocab_order is not None, RECORD_TILE_MAX=record_tile_max,
         BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return lse, vocab_logit_sum
+    return lse, tile_max

@@ -1,0 +1,56 @@
+"""Vocabulary sorting and the table of tiles the backward cannot skip without looking.
+
+The paper orders the vocabulary by average logit, accumulated in the forward with an atomic
+add. The average of ``e_i . c_v + b_v`` over tokens is exactly ``mean(e) . c_v + b_v``: one
+matrix-vector product, cheap enough to run *before* the forward, so that the forward walks the
+sorted vocabulary too and its per-tile maxima describe the backward's tiles. (With a softcap
+the order is that of the pre-cap average: the cap is monotone, and the order only changes speed.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+
+def vocab_order(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                targets: torch.Tensor) -> torch.Tensor:
+    """int32 (V,) vocabulary indices by decreasing average logit over non-ignored tokens."""
+    valid = (targets >= 0).to(e.dtype)
+    # e.T @ valid avoids an (N, D) temporary; the scale of the mean does not change the order.
+    mean_embedding = torch.mv(e.T, valid)
+    average_logit = torch.mv(c, mean_embedding)
+    if bias is not None:
+        average_logit = average_logit + bias * valid.sum()
+    return torch.argsort(average_logit.float(), descending=True).to(torch.int32)
+
+
+def live_tiles(tile_max: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
+               vocab_order: Optional[torch.Tensor], block_tokens: int, block_vocab: int,
+               filter_eps: float) -> torch.Tensor:
+    """int32 (token blocks, vocabulary blocks) table, 0 where no softmax entry can reach
+    ``filter_eps``: exp(max logit of the tile - min LSE of its rows) is a bound on them all.
+
+    Tiles that hold a token's target are always live (their gradient has the -1 of the target).
+    A NaN anywhere keeps the tile live, so NaN inputs still reach the gradients.
+    """
+    num_token_blocks, num_vocab_blocks = tile_max.shape
+    padding = num_token_blocks * block_tokens - lse.shape[0]
+    min_lse = torch.nn.functional.pad(lse, (0, padding), value=math.inf)
+    min_lse = min_lse.view(num_token_blocks, block_tokens).amin(dim=1)
+    live = ~(tile_max - min_lse[:, None] < math.log(filter_eps))
+
+    valid = targets >= 0
+    target_position = targets.clamp(min=0)
+    if vocab_order is not None:
+        position_of = torch.empty_like(vocab_order)
+        position_of[vocab_order.long()] = torch.arange(vocab_order.shape[0], dtype=torch.int32,
+                                                       device=vocab_order.device)
+        target_position = position_of[target_position].long()
+    token_block = torch.arange(targets.shape[0], device=targets.device) // block_tokens
+    live = live.to(torch.int32)  # counts: a scatter of booleans would race on duplicates
+    live.index_put_((token_block, target_position // block_vocab), valid.to(torch.int32),
+                    accumulate=True)
+    return live
