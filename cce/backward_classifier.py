@@ -70,15 +70,16 @@ def backward_classifier_kernel(
                     e_ptr + rows.to(tl.int64)[:, None] * stride_e_row
                     + out_dims[None, :] * stride_e_dim,
                     mask=row_mask[:, None] & out_mask[None, :], other=0.0)
-                grad = round_to(grad, e_ptr.dtype.element_ty, DOT_PRECISION)
-                acc = tile_dot(tl.trans(grad), e_block, acc, DOT_PRECISION)
+                operand = round_to(grad, e_ptr.dtype.element_ty, DOT_PRECISION)
+                acc = tile_dot(tl.trans(operand), e_block, acc, DOT_PRECISION)
     tl.store(grad_c_ptr + vocab.to(tl.int64)[:, None] * dim + out_dims[None, :],
              round_to(acc, grad_c_ptr.dtype.element_ty, DOT_PRECISION),
              mask=vocab_mask[:, None] & out_mask[None, :])
     if HAS_BIAS:
         if out_chunk == 0:
-            grad_bias = round_to(grad_bias, grad_bias_ptr.dtype.element_ty, DOT_PRECISION)
-            tl.store(grad_bias_ptr + vocab, grad_bias, mask=vocab_mask)
+            tl.store(grad_bias_ptr + vocab,
+                     round_to(grad_bias, grad_bias_ptr.dtype.element_ty, DOT_PRECISION),
+                     mask=vocab_mask)
 
 
 def backward_classifier(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
@@ -90,7 +91,7 @@ def backward_classifier(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     """(dC in c's dtype, dbias in bias's dtype or None)."""
     vocab_size, dim = c.shape
     configs = kernel_configs(e.dtype)
-    config, grid_config = configs.backward_classifier, configs.lse_forward
+    config, grid_config = configs.backward_classifier, configs.live_grid
     block_out = min(config.block_out, triton.next_power_of_2(dim))
     grad_c = torch.empty((vocab_size, dim), dtype=c.dtype, device=c.device)
     grad_bias = torch.empty_like(bias) if bias is not None else None

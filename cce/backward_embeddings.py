@@ -69,8 +69,8 @@ def backward_embeddings_kernel(
                     c_ptr + vocab.to(tl.int64)[:, None] * stride_c_row
                     + out_dims[None, :] * stride_c_dim,
                     mask=vocab_mask[:, None] & out_mask[None, :], other=0.0)
-                grad = round_to(grad, c_ptr.dtype.element_ty, DOT_PRECISION)
-                acc = tile_dot(grad, c_block, acc, DOT_PRECISION)
+                operand = round_to(grad, c_ptr.dtype.element_ty, DOT_PRECISION)
+                acc = tile_dot(operand, c_block, acc, DOT_PRECISION)
     tl.store(grad_e_ptr + rows.to(tl.int64)[:, None] * dim + out_dims[None, :],
              round_to(acc, grad_e_ptr.dtype.element_ty, DOT_PRECISION),
              mask=row_mask[:, None] & out_mask[None, :])
@@ -85,7 +85,7 @@ def backward_embeddings(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     a significant entry (None: recompute every tile)."""
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
-    config, grid_config = configs.backward_embeddings, configs.lse_forward
+    config, grid_config = configs.backward_embeddings, configs.live_grid
     block_out = min(config.block_out, triton.next_power_of_2(dim))
     grad_e = torch.empty((num_tokens, dim), dtype=e.dtype, device=e.device)
     grid = (triton.cdiv(num_tokens, config.block_tokens) * triton.cdiv(dim, block_out),)

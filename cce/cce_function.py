@@ -40,7 +40,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
         live = None
         if tile_max is not None:
-            grid = kernel_configs(e.dtype).lse_forward
+            grid = kernel_configs(e.dtype).live_grid
             live = live_tiles(tile_max, lse, targets, order, grid.block_tokens,
                               grid.block_vocab, ctx.filter_eps)
         arguments = (e, c, targets, bias, ctx.softcap, lse, prob_scale, target_scale, order,

@@ -1,7 +1,7 @@
 """Block sizes and launch settings of every kernel, in one place.
 
-The forward's (block_tokens, block_vocab) is also the grid of the live-tile table that the
-backward kernels read, so their blocks must divide it. Each backward program accumulates a
+``live_grid`` is the grid of the live-tile table that the forward records and the backward
+kernels read: the forward's tiles are whole rows of it and the backward's blocks divide it. Each backward program accumulates a
 (block_tokens or block_vocab) x block_out float32 slice of dE or dC in registers and recomputes
 a logit tile for every block_out columns, so a wider block_out means less recompute but more
 registers.
@@ -33,20 +33,25 @@ class KernelConfig:
 class KernelConfigs:
     indexed_dot: KernelConfig
     lse_forward: KernelConfig
+    live_grid: KernelConfig  # tiles of the live-tile table (block_tokens x block_vocab)
     backward_embeddings: KernelConfig
     backward_classifier: KernelConfig
 
     def __post_init__(self):
-        grid = self.lse_forward
+        grid = self.live_grid
+        if (self.lse_forward.block_tokens != grid.block_tokens
+                or self.lse_forward.block_vocab % grid.block_vocab):
+            raise ValueError("the forward's tiles must be whole rows of live-grid tiles")
         for name in ("backward_embeddings", "backward_classifier"):
             config = getattr(self, name)
             if grid.block_tokens % config.block_tokens or grid.block_vocab % config.block_vocab:
-                raise ValueError(f"{name} blocks must divide the forward's tile grid")
+                raise ValueError(f"{name} blocks must divide the live-tile grid")
 
 
 _INTERPRETER = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=32),
-    lse_forward=KernelConfig(block_tokens=32, block_vocab=128, block_dim=32),
+    lse_forward=KernelConfig(block_tokens=32, block_vocab=256, block_dim=32),
+    live_grid=KernelConfig(block_tokens=32, block_vocab=128, block_dim=0),
     backward_embeddings=KernelConfig(block_tokens=32, block_vocab=128, block_dim=32,
                                      block_out=64),
     backward_classifier=KernelConfig(block_tokens=32, block_vocab=64, block_dim=32,
@@ -54,8 +59,10 @@ _INTERPRETER = KernelConfigs(
 )
 _GPU_16BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=128),
-    lse_forward=KernelConfig(block_tokens=128, block_vocab=128, block_dim=64, num_warps=8,
+    # 128 x 256 forward tiles: 20% faster than 128 x 128 on an H200 (NOTES.md).
+    lse_forward=KernelConfig(block_tokens=128, block_vocab=256, block_dim=64, num_warps=8,
                              num_stages=3),
+    live_grid=KernelConfig(block_tokens=128, block_vocab=128, block_dim=0),
     backward_embeddings=KernelConfig(block_tokens=64, block_vocab=128, block_dim=64,
                                      block_out=256, num_warps=8, num_stages=3),
     backward_classifier=KernelConfig(block_tokens=128, block_vocab=64, block_dim=64,
@@ -64,6 +71,7 @@ _GPU_16BIT = KernelConfigs(
 _GPU_32BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=64),
     lse_forward=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32),
+    live_grid=KernelConfig(block_tokens=64, block_vocab=64, block_dim=0),
     backward_embeddings=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32,
                                      block_out=64),
     backward_classifier=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32,

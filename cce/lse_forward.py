@@ -6,9 +6,10 @@ merges the result into the global LSE once, under a spin lock (one lock per toke
 the N x V logits never reach global memory and the lock is taken once per program rather than
 once per tile.
 
-When a backward will follow it also records every tile's largest logit. With the LSE, that
-bounds the tile's largest softmax entry, so the backward can skip negligible tiles without
-recomputing them. Tiles follow ``vocab_order`` when given (vocabulary sorting), so that the
+When a backward will follow it also records the largest logit of every tile of the live-tile
+grid (``config.live_grid``, finer along the vocabulary than the forward's own tiles). With the
+LSE, that bounds the tile's largest softmax entry, so the backward can skip negligible tiles
+without recomputing them. Tiles follow ``vocab_order`` when given (vocabulary sorting), so that the
 forward's and the backward's tiles are the same.
 """
 
@@ -38,7 +39,7 @@ def lse_forward_kernel(
     num_tokens, vocab_size, dim, vocab_blocks_per_program,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
-    RECORD_TILE_MAX: tl.constexpr,
+    RECORD_TILE_MAX: tl.constexpr, LIVE_BLOCK_VOCAB: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -46,6 +47,8 @@ def lse_forward_kernel(
     # same time (read once from memory), while the much smaller e stays in L2.
     num_token_blocks = tl.cdiv(num_tokens, BLOCK_TOKENS)
     num_vocab_blocks = tl.cdiv(vocab_size, BLOCK_VOCAB)
+    num_live_vocab_blocks = tl.cdiv(vocab_size, LIVE_BLOCK_VOCAB)
+    RECORDS_PER_TILE: tl.constexpr = BLOCK_VOCAB // LIVE_BLOCK_VOCAB
     token_block = tl.program_id(0) % num_token_blocks
     first_vocab_block = (tl.program_id(0) // num_token_blocks) * vocab_blocks_per_program
     last_vocab_block = tl.minimum(first_vocab_block + vocab_blocks_per_program, num_vocab_blocks)
@@ -69,9 +72,13 @@ def lse_forward_kernel(
         # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)).
         logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
         if RECORD_TILE_MAX:
-            valid_logits = tl.where(row_mask[:, None], logits, float("-inf"))
-            tl.store(tile_max_ptr + token_block * num_vocab_blocks + vocab_block,
-                     tl.max(tl.max(valid_logits, axis=1), axis=0))
+            # Maxima on the backward's finer grid: one per LIVE_BLOCK_VOCAB columns.
+            column_max = tl.max(tl.where(row_mask[:, None], logits, float("-inf")), axis=0)
+            record_max = tl.max(tl.reshape(column_max, (RECORDS_PER_TILE, LIVE_BLOCK_VOCAB)),
+                                axis=1)
+            records = vocab_block * RECORDS_PER_TILE + tl.arange(0, RECORDS_PER_TILE)
+            tl.store(tile_max_ptr + token_block * num_live_vocab_blocks + records, record_max,
+                     mask=records < num_live_vocab_blocks)
         new_max = tl.maximum(running_max, tl.max(logits, axis=1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         running_sum = (running_sum * tl.exp(running_max - safe_max)
@@ -93,11 +100,12 @@ def lse_forward_kernel(
 def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 softcap: Optional[float], vocab_order: Optional[torch.Tensor],
                 record_tile_max: bool) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
-    """float32 (N,) log-sum-exp of every row and, when ``record_tile_max``, the float32
-    (token blocks, vocabulary blocks) largest logit of every tile (in ``vocab_order``)."""
+    """float32 (N,) log-sum-exp of every row and, when ``record_tile_max``, the float32 largest
+    logit of every tile of the live-tile grid (in ``vocab_order``)."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
-    config = kernel_configs(e.dtype).lse_forward
+    configs = kernel_configs(e.dtype)
+    config, live_grid = configs.lse_forward, configs.live_grid
     num_token_blocks = triton.cdiv(num_tokens, config.block_tokens)
     num_vocab_blocks = triton.cdiv(vocab_size, config.block_vocab)
     splits = forward_vocab_splits(num_token_blocks, num_vocab_blocks, e.device)
@@ -106,14 +114,15 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
 
     lse = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=e.device)
     locks = torch.zeros(num_token_blocks, dtype=torch.int32, device=e.device)
-    tile_max = (torch.empty((num_token_blocks, num_vocab_blocks), dtype=torch.float32,
-                            device=e.device) if record_tile_max else None)
+    tile_max = (torch.empty((num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab)),
+                            dtype=torch.float32, device=e.device) if record_tile_max else None)
     lse_forward_kernel[(num_token_blocks * splits,)](
         e, c, bias, vocab_order, lse, locks, tile_max,
         num_tokens, vocab_size, dim, vocab_blocks_per_program,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
         SORTED=vocab_order is not None, RECORD_TILE_MAX=record_tile_max,
+        LIVE_BLOCK_VOCAB=live_grid.block_vocab,
         BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,

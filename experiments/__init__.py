@@ -8,4 +8,5 @@ optional dependencies (transformers, datasets, ...) are needed only by that expe
 
 EXPERIMENTS: dict[str, str] = {
     "compare_impls": "experiments.compare_impls",
+    "fig1_memory": "experiments.fig1_memory",
 }

@@ -124,18 +124,20 @@ def make_inputs(n_tokens: int, vocab_size: int, dim: int, dtype: torch.dtype = t
 
 
 def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
-                  out_dir: Path = Path("results")) -> WrittenResults:
+                  out_dir: Path = Path("results"), device_dependent: bool = True
+                  ) -> WrittenResults:
     """Write ``<out_dir>/<name>.json`` (rows, meta, environment) and ``<out_dir>/<name>.md``.
 
     A row that failed carries an ``"error"`` string; the returned object lists them so that
-    the caller can fail loudly.
+    the caller can fail loudly. ``device_dependent=False`` marks results that do not depend on
+    the machine (an analytic model): they carry no CPU-run warning.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     json_path = out_dir / f"{name}.json"
     json_path.write_text(json.dumps({"name": name, "environment": env, "meta": meta,
                                      "rows": rows}, indent=2) + "\n")
-    markdown = _markdown_report(name, rows, meta, env)
+    markdown = _markdown_report(name, rows, meta, env, device_dependent)
     markdown_path = out_dir / f"{name}.md"
     markdown_path.write_text(markdown)
     errors = [str(row["error"]) for row in rows if row.get("error")]
@@ -163,13 +165,13 @@ def _package_version(name: str) -> Optional[str]:
 
 
 def _markdown_report(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
-                     env: dict[str, Any]) -> str:
+                     env: dict[str, Any], device_dependent: bool) -> str:
     versions = [f"torch {env['torch']}", f"triton {env['triton']}", f"Python {env['python']}"]
     if env["cuda"]:
         versions.insert(1, f"CUDA {env['cuda']}")
     lines = [f"# {name}", "", f"Device: {env['device']} · {' · '.join(versions)} · {env['date']}",
              ""]
-    if not ON_GPU:
+    if device_dependent and not ON_GPU:
         lines += ["> **CPU RUN: THESE ARE NOT GPU TIMINGS.** This machine has no CUDA device; "
                   "the Triton kernels ran in the interpreter"
                   f"{' (TRITON_INTERPRET=1)' if env['triton_interpret'] else ''}. Use these "

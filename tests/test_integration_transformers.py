@@ -1,0 +1,323 @@
+"""cce.integrations.transformers: a patched Hugging Face causal LM trains exactly as before.
+
+Every test compares a patched model with an unpatched deep copy of it (tiny, randomly
+initialised, float32, on the test device): same loss and gradients within 1e-5 relative error,
+logits not materialized when labels are given, the same logits when they are not.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Callable
+
+import pytest
+import torch
+
+import cce
+
+transformers = pytest.importorskip("transformers")
+
+from cce.integrations.transformers import patch, unpatch  # noqa: E402
+from tests.reference import relative_error  # noqa: E402
+
+BATCH, SEQ, VOCAB = 2, 16, 320
+TOLERANCE = 1e-5  # float32
+IMPLS = ("cce", "torch")
+
+TINY = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    # Logits of standard deviation ~1 rather than ~0.1: a softmax far from uniform, and a
+    # softcap that changes the loss by far more than the tolerance.
+    initializer_range=0.2,
+)
+# family: (config class, model class, config entries beyond TINY)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"final_logit_softcapping": 30.0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
+}
+
+
+def tiny_model(family: str, device: str) -> transformers.PreTrainedModel:
+    """A freshly initialised 2-layer model of ``family`` (the same weights on every call)."""
+    config_name, model_name, extra = FAMILIES[family]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**TINY, **extra)
+    return getattr(transformers, model_name)(config).to(device)
+
+
+def reference_and_patched(family: str, device: str, **options) -> tuple:
+    """An unpatched model and a patched copy with the same weights."""
+    reference = tiny_model(family, device)
+    return reference, patch(copy.deepcopy(reference), **options)
+
+
+def make_batch(gen: torch.Generator, device: str, batch: int = BATCH) -> dict[str, torch.Tensor]:
+    """Input ids, attention mask and labels: a masked prompt in row 0, right padding in row 1."""
+    input_ids = torch.randint(3, VOCAB, (batch, SEQ), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -5:] = 0
+    input_ids[1, -5:] = 0  # pad_token_id
+    labels = input_ids.clone()
+    labels[0, :4] = -100
+    labels[attention_mask == 0] = -100
+    batch_inputs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    return {name: tensor.to(device) for name, tensor in batch_inputs.items()}
+
+
+def watched_gradients(model) -> dict[str, torch.Tensor]:
+    """Gradients of the classifier, the embedding (the same tensor when tied) and layer 0."""
+    return {
+        "lm_head.weight": model.lm_head.weight.grad,
+        "embed_tokens.weight": model.model.embed_tokens.weight.grad,
+        "layers.0": torch.cat([p.grad.flatten() for p in model.model.layers[0].parameters()]),
+    }
+
+
+def assert_same_training_step(model, reference) -> None:
+    for name, expected in watched_gradients(reference).items():
+        error = relative_error(watched_gradients(model)[name], expected)
+        assert error <= TOLERANCE, f"gradient of {name}: relative error {error:.2e}"
+
+
+def count_lm_head_calls(model) -> list[int]:
+    """A list whose length grows by one each time lm_head runs (i.e. logits are computed)."""
+    calls: list[int] = []
+    model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.fixture
+def cce_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The arguments of every cce.linear_cross_entropy call the patched models make."""
+    calls: list[dict] = []
+    linear_cross_entropy = cce.linear_cross_entropy
+
+    def recording_linear_cross_entropy(*args, **kwargs):
+        calls.append(dict(args=args, kwargs=kwargs))
+        return linear_cross_entropy(*args, **kwargs)
+
+    monkeypatch.setattr(cce, "linear_cross_entropy", recording_linear_cross_entropy)
+    return calls
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_and_gradients_match_the_unpatched_model(family, impl, gen, device):
+    reference, model = reference_and_patched(family, device, impl=impl)
+    inputs = make_batch(gen, device)
+    lm_head_calls = count_lm_head_calls(model)
+
+    expected = reference(**inputs)
+    output = model(**inputs)
+    expected.loss.backward()
+    output.loss.backward()
+
+    assert relative_error(output.loss, expected.loss) <= TOLERANCE
+    assert_same_training_step(model, reference)
+    assert output.logits is None
+    assert not lm_head_calls, "the patched model computed logits"
+
+
+def test_gemma2_softcapping_is_applied(gen, device):
+    reference, model = reference_and_patched("gemma2", device)
+    inputs = make_batch(gen, device)
+    uncapped = copy.deepcopy(model)
+    uncapped.config.final_logit_softcapping = None
+
+    loss, uncapped_loss = model(**inputs).loss, uncapped(**inputs).loss
+
+    assert relative_error(loss, reference(**inputs).loss) <= TOLERANCE
+    assert relative_error(uncapped_loss, loss) > 10 * TOLERANCE
+
+
+def test_gradient_accumulation_with_num_items_in_batch_equals_one_big_batch(gen, device):
+    reference, model = reference_and_patched("llama", device)
+    inputs = make_batch(gen, device, batch=4)
+    inputs["labels"][2, :10] = -100  # micro-batches with different numbers of target tokens
+    num_items_in_batch = (inputs["labels"][:, 1:] != -100).sum()  # what Trainer passes
+
+    expected = reference(**inputs).loss
+    expected.backward()
+    accumulated = 0.0
+    for rows in (slice(0, 2), slice(2, 4)):
+        micro_batch = {name: tensor[rows] for name, tensor in inputs.items()}
+        loss = model(**micro_batch, num_items_in_batch=num_items_in_batch).loss
+        loss.backward()
+        accumulated += loss.detach()
+
+    assert relative_error(accumulated, expected) <= TOLERANCE
+    assert_same_training_step(model, reference)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_without_labels_the_logits_are_the_unpatched_ones(family, gen, device):
+    reference, model = reference_and_patched(family, device)
+    inputs = make_batch(gen, device)
+    del inputs["labels"]
+
+    output, expected = model(**inputs), reference(**inputs)
+
+    assert output.loss is None
+    assert torch.equal(output.logits, expected.logits)
+
+
+def test_generation_is_unchanged(device):
+    reference, model = reference_and_patched("gemma2", device)
+    prompt = torch.arange(3, 8, device=device)[None]
+
+    generated = model.generate(prompt, max_new_tokens=4, do_sample=False)
+
+    assert torch.equal(generated, reference.generate(prompt, max_new_tokens=4, do_sample=False))
+
+
+def test_the_forward_keeps_the_signature_that_trainer_and_generate_read(device):
+    # Trainer passes num_items_in_batch only to a forward with **kwargs; generate passes
+    # logits_to_keep only to a forward that names it.
+    reference, model = reference_and_patched("llama", device)
+
+    assert inspect.signature(model.forward) == inspect.signature(reference.forward)
+
+
+def test_shift_labels_replace_the_shifted_labels(gen, device):
+    reference, model = reference_and_patched("llama", device, impl="torch")
+    inputs = make_batch(gen, device)
+    # What sequence-parallel training passes: labels already shifted (and sharded).
+    shift_labels = torch.nn.functional.pad(inputs["labels"][:, 1:], (0, 1), value=-100)
+    shift_labels[:, 5] = -100
+
+    loss = model(**inputs, shift_labels=shift_labels).loss
+    expected = reference(**inputs, shift_labels=shift_labels).loss
+
+    assert relative_error(loss, expected) <= TOLERANCE
+
+
+def test_labels_may_be_passed_positionally(gen, device):
+    reference, model = reference_and_patched("llama", device, impl="torch")
+    inputs = make_batch(gen, device)
+    # LlamaForCausalLM.forward(input_ids, attention_mask, position_ids, past_key_values,
+    # inputs_embeds, labels, ...)
+    positional = (inputs["input_ids"], inputs["attention_mask"], None, None, None, inputs["labels"])
+
+    output = model(*positional)
+
+    assert output.logits is None
+    assert relative_error(output.loss, reference(**inputs).loss) <= TOLERANCE
+
+
+def test_return_dict_false_gives_a_tuple_that_starts_with_the_loss(gen, device):
+    reference, model = reference_and_patched("llama", device, impl="torch")
+    inputs = make_batch(gen, device)
+
+    output = model(**inputs, return_dict=False)
+
+    assert isinstance(output, tuple)
+    assert relative_error(output[0], reference(**inputs).loss) <= TOLERANCE
+
+
+def test_labels_with_logits_to_keep_run_the_model_own_forward(gen, device):
+    reference, model = reference_and_patched("llama", device)
+    inputs = make_batch(gen, device)
+
+    output = model(**inputs, logits_to_keep=SEQ)
+    expected = reference(**inputs, logits_to_keep=SEQ)
+
+    assert torch.equal(output.loss, expected.loss)
+    assert torch.equal(output.logits, expected.logits)
+
+
+def test_under_autocast_the_loss_multiplies_in_the_autocast_dtype(gen, device, cce_calls):
+    reference, model = reference_and_patched("llama", device)
+    inputs = make_batch(gen, device)
+
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss, expected = model(**inputs).loss, reference(**inputs).loss
+
+    embeddings, classifier, _ = cce_calls[0]["args"]
+    assert embeddings.dtype == classifier.dtype == torch.bfloat16  # as lm_head's matmul would
+    assert loss.dtype == torch.float32
+    # The reference also rounds the logits to bfloat16; cce keeps them in float32.
+    assert relative_error(loss, expected) <= 4e-3
+
+
+def test_unpatch_restores_the_model_own_forward(gen, device):
+    reference, model = reference_and_patched("llama", device)
+    inputs = make_batch(gen, device)
+
+    assert unpatch(model) is model
+    output, expected = model(**inputs), reference(**inputs)
+
+    assert "forward" not in vars(model)
+    assert torch.equal(output.loss, expected.loss)
+    assert torch.equal(output.logits, expected.logits)
+
+
+def test_patching_again_replaces_the_options_instead_of_stacking(gen, device, cce_calls):
+    model = tiny_model("llama", device)
+    inputs = make_batch(gen, device)
+    patch(model, impl="torch")
+    patch(model, impl="cce")
+
+    model(**inputs)
+    unpatch(model)
+
+    assert [call["kwargs"]["impl"] for call in cce_calls] == ["cce"]
+    assert "forward" not in vars(model)
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
+
+
+def tiny_llama_classifier() -> torch.nn.Module:
+    return transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**TINY))
+
+
+def tiny_gpt_neox() -> torch.nn.Module:
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2))
+
+
+def tiny_llama_without_lm_head() -> torch.nn.Module:
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    del model.lm_head
+    return model
+
+
+def tiny_cohere() -> torch.nn.Module:
+    return transformers.CohereForCausalLM(transformers.CohereConfig(**TINY))
+
+
+@pytest.mark.parametrize("make_model, message", [
+    (tiny_gpt2, "GPT2LMHeadModel is not supported: cce patches transformers"),
+    (tiny_llama_classifier, "LlamaForSequenceClassification is not supported: cce patches"),
+    (tiny_gpt_neox, "GPTNeoXForCausalLM is not supported: it has no base model at `.model`"),
+    (tiny_llama_without_lm_head, "LlamaForCausalLM is not supported: it has no nn.Linear"),
+    (tiny_cohere, "CohereForCausalLM is not supported: its forward multiplies the logits"),
+], ids=["not a causal LM", "a classifier", "no .model", "no lm_head", "scaled logits"])
+def test_unsupported_models_raise_a_value_error_naming_the_class(
+        make_model: Callable[[], torch.nn.Module], message):
+    model = make_model()
+
+    with pytest.raises(ValueError, match=message):
+        patch(model)
+    assert "forward" not in vars(model)
+
+
+def test_bad_options_raise_before_patching(device):
+    model = tiny_model("llama", device)
+
+    with pytest.raises(ValueError, match="impl"):
+        patch(model, impl="logits")
+    assert "forward" not in vars(model)

@@ -1,0 +1,111 @@
+"""The machinery behind gradient filtering and vocabulary sorting, checked against brute force.
+
+The backward skips a tile without recomputing it when the forward's recorded tile maximum and
+the LSE prove every softmax entry of the tile is below ``filter_eps``. A tile wrongly marked
+dead would silently drop gradient, so the table must be sound: every tile that holds an entry
+>= filter_eps, or a target, is live.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cce.config import kernel_configs
+from cce.lse_forward import lse_forward
+from cce.vocab_order import live_tiles, vocab_order
+
+N, V, D = 45, 1500, 40  # not multiples of any block size
+EPS = 2.0**-12
+
+
+def _peaked_inputs(gen: torch.Generator, device: str):
+    """Logits with a Zipf-like frequency component, so most tiles hold only tiny entries."""
+    e = torch.randn(N, D, generator=gen)
+    c = torch.randn(V, D, generator=gen) * (4.0 / math.sqrt(D))
+    frequency = -1.5 * torch.log(torch.arange(1, V + 1, dtype=torch.float32))
+    c[:, 0] = frequency[torch.randperm(V, generator=gen)]
+    e[:, 0] = 3.0
+    targets = torch.randint(0, V, (N,), generator=gen)
+    targets[::5] = -1  # ignored
+    return e.to(device), c.to(device), targets.to(device)
+
+
+def _tile_view(matrix: torch.Tensor, block_tokens: int, block_vocab: int) -> torch.Tensor:
+    """(token blocks, vocab blocks, block_tokens, block_vocab) view, padded with -inf."""
+    rows, cols = matrix.shape
+    padded = torch.nn.functional.pad(matrix, (0, (-cols) % block_vocab, 0, (-rows) % block_tokens),
+                                     value=-math.inf)
+    tiles = padded.view(padded.shape[0] // block_tokens, block_tokens,
+                        padded.shape[1] // block_vocab, block_vocab)
+    return tiles.permute(0, 2, 1, 3)
+
+
+def test_vocab_order_sorts_by_average_logit(gen: torch.Generator, device: str) -> None:
+    """The order is by decreasing average logit over non-ignored tokens (bias included)."""
+    e, c, targets = _peaked_inputs(gen, device)
+    bias = torch.randn(V, generator=gen).to(device)
+    order = vocab_order(e, c, bias, targets).long()
+    average = ((e[targets >= 0].double() @ c.double().T) + bias.double()).mean(dim=0)
+    assert sorted(order.tolist()) == list(range(V))
+    assert bool((average[order].diff() <= 1e-5).all())
+
+
+def test_forward_records_tile_maxima_in_sorted_order(gen: torch.Generator, device: str) -> None:
+    """tile_max[i, j] is the largest logit of tile (i, j) of the live grid, vocabulary sorted."""
+    e, c, targets = _peaked_inputs(gen, device)
+    order = vocab_order(e, c, None, targets)
+    lse, tile_max = lse_forward(e, c, None, None, order, record_tile_max=True)
+    grid = kernel_configs(e.dtype).live_grid
+    logits = e.double() @ c.double()[order.long()].T
+    expected = _tile_view(logits, grid.block_tokens, grid.block_vocab).amax(dim=(2, 3))
+    torch.testing.assert_close(tile_max.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(e.double() @ c.double().T, dim=1),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_targets", [False, True], ids=["probabilities", "targets"])
+def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: str,
+                                                 with_targets: bool) -> None:
+    """Every tile with a softmax entry >= eps (and, with targets, every tile holding a target)
+    is live; on peaked logits some tiles are dead, so skipping is really exercised.
+
+    Without targets only the probability bound can keep a tile live, so a bound that is too
+    aggressive cannot hide behind the target tiles."""
+    e, c, targets = _peaked_inputs(gen, device)
+    order = vocab_order(e, c, None, targets)  # any permutation must give a sound table
+    if not with_targets:
+        targets = torch.full_like(targets, -1)
+    lse, tile_max = lse_forward(e, c, None, None, order, record_tile_max=True)
+    grid = kernel_configs(e.dtype).live_grid
+    live = live_tiles(tile_max, lse, targets, order, grid.block_tokens, grid.block_vocab, EPS)
+
+    sorted_logits = e.double() @ c.double()[order.long()].T
+    needed = torch.exp(sorted_logits - lse.double()[:, None])
+    position = torch.empty_like(order).long()
+    position[order.long()] = torch.arange(V, device=order.device)
+    valid = targets >= 0
+    needed[valid.nonzero()[:, 0], position[targets[valid]]] = 1.0
+    must_be_live = _tile_view(needed, grid.block_tokens, grid.block_vocab).amax(dim=(2, 3)) >= EPS
+
+    assert bool((live[must_be_live] > 0).all()), "a tile with significant entries was skipped"
+    assert bool((live == 0).any()), "no tile was dead: the test data is not peaked enough"
+
+
+@pytest.mark.parametrize("margin, expected_live", [(0.99, True), (1.01, False)])
+def test_live_tile_bound_is_exact_for_one_token(gen: torch.Generator, device: str,
+                                                margin: float, expected_live: bool) -> None:
+    """For a single token the bound exp(tile max - LSE) is the tile's largest probability:
+    a tile is live just below that threshold and dead just above it."""
+    e, c, _ = _peaked_inputs(gen, device)
+    e, targets = e[:1], torch.full((1,), -1, device=device)
+    lse, tile_max = lse_forward(e, c, None, None, None, record_tile_max=True)
+    grid = kernel_configs(e.dtype).live_grid
+    probs = torch.exp(e.double() @ c.double().T - lse.double()[:, None])
+    tile_probs = _tile_view(probs, grid.block_tokens, grid.block_vocab).amax(dim=(2, 3))[0]
+    tile = int(tile_probs.argsort()[tile_probs.numel() // 2])  # a middling tile
+    eps = float(tile_probs[tile]) * margin
+    live = live_tiles(tile_max, lse, targets, None, grid.block_tokens, grid.block_vocab, eps)
+    assert bool(live[0, tile] > 0) == expected_live
