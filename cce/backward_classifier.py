@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import dot_precision, kernel_configs
-from cce.logit_tile import logit_gradient_tile, round_to, tile_dot
+from cce.backward_launch import launch_backward
+from cce.config import kernel_configs
+from cce.logit_tile import logit_gradient_tile, round_to, tile_dot, vocab_block_entries
 
 
 @triton.jit
@@ -36,12 +37,8 @@ def backward_classifier_kernel(
     vocab_block = tl.program_id(0) % num_vocab_blocks
     out_chunk = tl.program_id(0) // num_vocab_blocks
 
-    positions = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
-    vocab_mask = positions < vocab_size
-    if SORTED:
-        vocab = tl.load(vocab_order_ptr + positions, mask=vocab_mask, other=0)
-    else:
-        vocab = positions
+    vocab, vocab_mask = vocab_block_entries(
+        vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
     out_dims = out_chunk * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     out_mask = out_dims < dim
     grid_column = vocab_block * BLOCK_VOCAB // GRID_BLOCK_VOCAB
@@ -90,24 +87,12 @@ def backward_classifier(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                         ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
     """(dC in c's dtype, dbias in bias's dtype or None)."""
     vocab_size, dim = c.shape
-    configs = kernel_configs(e.dtype)
-    config, grid_config = configs.backward_classifier, configs.live_grid
+    config = kernel_configs(e.dtype).backward_classifier
     block_out = min(config.block_out, triton.next_power_of_2(dim))
     grad_c = torch.empty((vocab_size, dim), dtype=c.dtype, device=c.device)
     grad_bias = torch.empty_like(bias) if bias is not None else None
     grid = (triton.cdiv(vocab_size, config.block_vocab) * triton.cdiv(dim, block_out),)
-    backward_classifier_kernel[grid](
-        e, c, bias, targets, lse, prob_scale, target_scale, vocab_order, live_tiles,
-        grad_c, grad_bias,
-        e.shape[0], vocab_size, dim, triton.cdiv(vocab_size, grid_config.block_vocab),
-        e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0, filter_eps or 0.0,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        FILTER=filter_eps is not None, SORTED=vocab_order is not None,
-        SKIP_DEAD_TILES=live_tiles is not None,
-        BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
-        BLOCK_DIM=config.block_dim, BLOCK_OUT=block_out,
-        GRID_BLOCK_TOKENS=grid_config.block_tokens, GRID_BLOCK_VOCAB=grid_config.block_vocab,
-        DOT_PRECISION=dot_precision(e.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    launch_backward(backward_classifier_kernel, config, block_out, grid, (grad_c, grad_bias), e,
+                    c, targets, bias, softcap, lse, prob_scale, target_scale, vocab_order,
+                    live_tiles, filter_eps)
     return grad_c, grad_bias

@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import dot_precision, kernel_configs
-from cce.logit_tile import logit_gradient_tile, round_to, tile_dot
+from cce.backward_launch import launch_backward
+from cce.config import kernel_configs
+from cce.logit_tile import logit_gradient_tile, round_to, tile_dot, vocab_block_entries
 
 
 @triton.jit
@@ -51,12 +52,8 @@ def backward_embeddings_kernel(
             grid_column = vocab_block * BLOCK_VOCAB // GRID_BLOCK_VOCAB
             live = tl.load(live_tiles_ptr + grid_row * num_grid_vocab_blocks + grid_column) != 0
         if live:
-            positions = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
-            vocab_mask = positions < vocab_size
-            if SORTED:
-                vocab = tl.load(vocab_order_ptr + positions, mask=vocab_mask, other=0)
-            else:
-                vocab = positions
+            vocab, vocab_mask = vocab_block_entries(
+                vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
             grad, keep = logit_gradient_tile(
                 e_ptr, c_ptr, bias_ptr, targets_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
                 rows, row_mask, vocab, vocab_mask, dim,
@@ -81,25 +78,14 @@ def backward_embeddings(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                         lse: torch.Tensor, prob_scale: torch.Tensor, target_scale: torch.Tensor,
                         vocab_order: Optional[torch.Tensor], live_tiles: Optional[torch.Tensor],
                         filter_eps: Optional[float]) -> torch.Tensor:
-    """dE, (N, D) in e's dtype. ``live_tiles`` is the forward-grid table of tiles that may hold
-    a significant entry (None: recompute every tile)."""
+    """dE, (N, D) in e's dtype. ``live_tiles`` is the live-grid table of tiles that may hold a
+    significant entry (None: recompute every tile)."""
     num_tokens, dim = e.shape
-    configs = kernel_configs(e.dtype)
-    config, grid_config = configs.backward_embeddings, configs.live_grid
+    config = kernel_configs(e.dtype).backward_embeddings
     block_out = min(config.block_out, triton.next_power_of_2(dim))
     grad_e = torch.empty((num_tokens, dim), dtype=e.dtype, device=e.device)
     grid = (triton.cdiv(num_tokens, config.block_tokens) * triton.cdiv(dim, block_out),)
-    backward_embeddings_kernel[grid](
-        e, c, bias, targets, lse, prob_scale, target_scale, vocab_order, live_tiles, grad_e,
-        num_tokens, c.shape[0], dim, triton.cdiv(c.shape[0], grid_config.block_vocab),
-        e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0, filter_eps or 0.0,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        FILTER=filter_eps is not None, SORTED=vocab_order is not None,
-        SKIP_DEAD_TILES=live_tiles is not None,
-        BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
-        BLOCK_DIM=config.block_dim, BLOCK_OUT=block_out,
-        GRID_BLOCK_TOKENS=grid_config.block_tokens, GRID_BLOCK_VOCAB=grid_config.block_vocab,
-        DOT_PRECISION=dot_precision(e.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    launch_backward(backward_embeddings_kernel, config, block_out, grid, (grad_e,), e, c, targets,
+                    bias, softcap, lse, prob_scale, target_scale, vocab_order, live_tiles,
+                    filter_eps)
     return grad_e

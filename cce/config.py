@@ -1,10 +1,10 @@
 """Block sizes and launch settings of every kernel, in one place.
 
 ``live_grid`` is the grid of the live-tile table that the forward records and the backward
-kernels read: the forward's tiles are whole rows of it and the backward's blocks divide it. Each backward program accumulates a
-(block_tokens or block_vocab) x block_out float32 slice of dE or dC in registers and recomputes
-a logit tile for every block_out columns, so a wider block_out means less recompute but more
-registers.
+kernels read: the forward's tiles are whole rows of it and the backward's blocks divide it. Each
+backward program accumulates a (block_tokens or block_vocab) x block_out float32 slice of dE or
+dC in registers and recomputes a logit tile for every block_out columns, so a wider block_out
+means less recompute but more registers.
 
 The Triton interpreter (CPU) runs one program at a time with numpy: it wants few, large
 programs. float32 inputs use exact fp32 dot products (``input_precision="ieee"``), which hold

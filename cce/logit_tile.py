@@ -37,6 +37,20 @@ def round_to(x, dtype, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def vocab_block_entries(vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB: tl.constexpr,
+                        SORTED: tl.constexpr):
+    """Vocabulary indices of one block of positions (positions of ``vocab_order`` when sorting)
+    and the mask of those inside the vocabulary."""
+    positions = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
+    vocab_mask = positions < vocab_size
+    if SORTED:
+        vocab = tl.load(vocab_order_ptr + positions, mask=vocab_mask, other=0)
+    else:
+        vocab = positions
+    return vocab, vocab_mask
+
+
+@triton.jit
 def logit_tile(
     e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,

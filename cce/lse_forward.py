@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from cce.config import dot_precision, forward_vocab_splits, kernel_configs
-from cce.logit_tile import logit_tile
+from cce.logit_tile import logit_tile, vocab_block_entries
 
 
 @triton.jit
@@ -58,12 +58,8 @@ def lse_forward_kernel(
     running_max = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     for vocab_block in range(first_vocab_block, last_vocab_block):
-        positions = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
-        vocab_mask = positions < vocab_size
-        if SORTED:
-            vocab = tl.load(vocab_order_ptr + positions, mask=vocab_mask, other=0)
-        else:
-            vocab = positions
+        vocab, vocab_mask = vocab_block_entries(
+            vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
         logits = logit_tile(
             e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
             stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
