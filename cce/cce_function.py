@@ -20,11 +20,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, softcap: Optional[float], filter_eps: Optional[float],
-                vocab_sorting: bool):
-        needs_grad = any(ctx.needs_input_grad[:3])
+                vocab_sorting: bool, needs_grad: bool):
+        # needs_grad comes from outside: grad mode is always off in here, and
+        # ctx.needs_input_grad is True under torch.no_grad too.
         order = vocab_order(e, c, bias, targets) if needs_grad and vocab_sorting else None
         target_logit = indexed_dot(e, c, targets, bias, softcap)
-        lse, tile_max = lse_forward(e, c, bias, softcap, order,
+        lse, tile_max = lse_forward(e, c, bias, softcap, targets, order,
                                     record_tile_max=needs_grad and filter_eps is not None)
         loss = torch.where(targets >= 0, lse - target_logit, 0.0)
         ctx.save_for_backward(e, c, bias, targets, lse, order, tile_max)
@@ -41,7 +42,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         live = None
         if tile_max is not None:
             grid = kernel_configs(e.dtype).live_grid
-            live = live_tiles(tile_max, lse, targets, order, grid.block_tokens,
+            live = live_tiles(tile_max, lse, prob_scale, targets, order, grid.block_tokens,
                               grid.block_vocab, ctx.filter_eps)
         arguments = (e, c, targets, bias, ctx.softcap, lse, prob_scale, target_scale, order,
                      live, ctx.filter_eps)
@@ -49,7 +50,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_c, grad_bias = (backward_classifier(*arguments)
                              if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
                              else (None, None))
-        return grad_e, grad_c, grad_bias, None, None, None, None
+        return grad_e, grad_c, grad_bias, None, None, None, None, None
 
 
 def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
@@ -69,6 +70,8 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
         return empty, empty.clone()
     if bias is not None:
         bias = bias.contiguous()  # the kernels index it with unit stride
+    needs_grad = torch.is_grad_enabled() and any(
+        tensor is not None and tensor.requires_grad for tensor in (e, c, bias))
     loss, lse = LinearCrossEntropyFunction.apply(e, c, bias, targets.contiguous(), softcap,
-                                                 filter_eps, vocab_sorting)
+                                                 filter_eps, vocab_sorting, needs_grad)
     return loss.to(device), lse.to(device)

@@ -35,7 +35,7 @@ def log_add_exp(a, b):
 
 @triton.jit
 def lse_forward_kernel(
-    e_ptr, c_ptr, bias_ptr, vocab_order_ptr, lse_ptr, locks_ptr, tile_max_ptr,
+    e_ptr, c_ptr, bias_ptr, targets_ptr, vocab_order_ptr, lse_ptr, locks_ptr, tile_max_ptr,
     num_tokens, vocab_size, dim, vocab_blocks_per_program,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
@@ -55,6 +55,10 @@ def lse_forward_kernel(
 
     rows = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     row_mask = rows < num_tokens
+    if RECORD_TILE_MAX:
+        # Ignored tokens get no loss gradient: leaving them out tightens the backward's bound.
+        targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
+        recorded_rows = targets >= 0
     running_max = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     for vocab_block in range(first_vocab_block, last_vocab_block):
@@ -69,7 +73,7 @@ def lse_forward_kernel(
         logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
         if RECORD_TILE_MAX:
             # Maxima on the backward's finer grid: one per LIVE_BLOCK_VOCAB columns.
-            column_max = tl.max(tl.where(row_mask[:, None], logits, float("-inf")), axis=0)
+            column_max = tl.max(tl.where(recorded_rows[:, None], logits, float("-inf")), axis=0)
             record_max = tl.max(tl.reshape(column_max, (RECORDS_PER_TILE, LIVE_BLOCK_VOCAB)),
                                 axis=1)
             records = vocab_block * RECORDS_PER_TILE + tl.arange(0, RECORDS_PER_TILE)
@@ -94,10 +98,12 @@ def lse_forward_kernel(
 
 
 def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
-                softcap: Optional[float], vocab_order: Optional[torch.Tensor],
-                record_tile_max: bool) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
+                softcap: Optional[float], targets: torch.Tensor,
+                vocab_order: Optional[torch.Tensor], record_tile_max: bool,
+                ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
     """float32 (N,) log-sum-exp of every row and, when ``record_tile_max``, the float32 largest
-    logit of every tile of the live-tile grid (in ``vocab_order``)."""
+    logit of every tile of the live-tile grid (in ``vocab_order``) over non-ignored tokens
+    (``targets >= 0``; -inf where a tile has none)."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     configs = kernel_configs(e.dtype)
@@ -113,7 +119,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     tile_max = (torch.empty((num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab)),
                             dtype=torch.float32, device=e.device) if record_tile_max else None)
     lse_forward_kernel[(num_token_blocks * splits,)](
-        e, c, bias, vocab_order, lse, locks, tile_max,
+        e, c, bias, targets, vocab_order, lse, locks, tile_max,
         num_tokens, vocab_size, dim, vocab_blocks_per_program,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,

@@ -57,36 +57,32 @@ def test_forward_records_tile_maxima_in_sorted_order(gen: torch.Generator, devic
     """tile_max[i, j] is the largest logit of tile (i, j) of the live grid, vocabulary sorted."""
     e, c, targets = _peaked_inputs(gen, device)
     order = vocab_order(e, c, None, targets)
-    lse, tile_max = lse_forward(e, c, None, None, order, record_tile_max=True)
+    lse, tile_max = lse_forward(e, c, None, None, targets, order, record_tile_max=True)
     grid = kernel_configs(e.dtype).live_grid
     logits = e.double() @ c.double()[order.long()].T
+    logits[targets < 0] = -math.inf  # the maxima cover non-ignored tokens only
     expected = _tile_view(logits, grid.block_tokens, grid.block_vocab).amax(dim=(2, 3))
     torch.testing.assert_close(tile_max.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), torch.logsumexp(e.double() @ c.double().T, dim=1),
                                rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("with_targets", [False, True], ids=["probabilities", "targets"])
-def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: str,
-                                                 with_targets: bool) -> None:
-    """Every tile with a softmax entry >= eps (and, with targets, every tile holding a target)
-    is live; on peaked logits some tiles are dead, so skipping is really exercised.
-
-    Without targets only the probability bound can keep a tile live, so a bound that is too
-    aggressive cannot hide behind the target tiles."""
+def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: str) -> None:
+    """Every tile with a softmax entry >= eps on a row that carries a gradient, or with a
+    target, is live; on peaked logits some tiles are dead, so skipping is really exercised."""
     e, c, targets = _peaked_inputs(gen, device)
-    order = vocab_order(e, c, None, targets)  # any permutation must give a sound table
-    if not with_targets:
-        targets = torch.full_like(targets, -1)
-    lse, tile_max = lse_forward(e, c, None, None, order, record_tile_max=True)
+    order = vocab_order(e, c, None, targets)
+    lse, tile_max = lse_forward(e, c, None, None, targets, order, record_tile_max=True)
     grid = kernel_configs(e.dtype).live_grid
-    live = live_tiles(tile_max, lse, targets, order, grid.block_tokens, grid.block_vocab, EPS)
+    valid = targets >= 0
+    live = live_tiles(tile_max, lse, valid.float(), targets, order, grid.block_tokens,
+                      grid.block_vocab, EPS)
 
     sorted_logits = e.double() @ c.double()[order.long()].T
     needed = torch.exp(sorted_logits - lse.double()[:, None])
+    needed[~valid] = 0.0
     position = torch.empty_like(order).long()
     position[order.long()] = torch.arange(V, device=order.device)
-    valid = targets >= 0
     needed[valid.nonzero()[:, 0], position[targets[valid]]] = 1.0
     must_be_live = _tile_view(needed, grid.block_tokens, grid.block_vocab).amax(dim=(2, 3)) >= EPS
 
@@ -100,12 +96,72 @@ def test_live_tile_bound_is_exact_for_one_token(gen: torch.Generator, device: st
     """For a single token the bound exp(tile max - LSE) is the tile's largest probability:
     a tile is live just below that threshold and dead just above it."""
     e, c, _ = _peaked_inputs(gen, device)
-    e, targets = e[:1], torch.full((1,), -1, device=device)
-    lse, tile_max = lse_forward(e, c, None, None, None, record_tile_max=True)
+    e, targets = e[:1], torch.zeros(1, dtype=torch.long, device=device)
+    lse, tile_max = lse_forward(e, c, None, None, targets, None, record_tile_max=True)
     grid = kernel_configs(e.dtype).live_grid
     probs = torch.exp(e.double() @ c.double().T - lse.double()[:, None])
     tile_probs = _tile_view(probs, grid.block_tokens, grid.block_vocab).amax(dim=(2, 3))[0]
-    tile = int(tile_probs.argsort()[tile_probs.numel() // 2])  # a middling tile
+    tile_probs[0] = math.nan  # the target's tile is live anyway: not the tile under test
+    ranked = tile_probs[1:].argsort() + 1
+    tile = int(ranked[ranked.numel() // 2])  # a middling tile
     eps = float(tile_probs[tile]) * margin
-    live = live_tiles(tile_max, lse, targets, None, grid.block_tokens, grid.block_vocab, eps)
+    live = live_tiles(tile_max, lse, torch.ones_like(lse), targets, None, grid.block_tokens,
+                      grid.block_vocab, eps)
     assert bool(live[0, tile] > 0) == expected_live
+
+
+def test_ignored_rows_do_not_keep_tiles_live(gen: torch.Generator, device: str) -> None:
+    """Ignored tokens enter neither the recorded maxima nor the bound: the table of a block
+    equals that of its one non-ignored token."""
+    e, c, _ = _peaked_inputs(gen, device)
+    grid = kernel_configs(e.dtype).live_grid
+    e = e[: grid.block_tokens]
+    targets = torch.full((e.shape[0],), -1, device=device)
+    targets[0] = 0
+    scale = (targets >= 0).float()
+    lse, tile_max = lse_forward(e, c, None, None, targets, None, record_tile_max=True)
+    live = live_tiles(tile_max, lse, scale, targets, None, grid.block_tokens, grid.block_vocab,
+                      EPS)
+
+    first_lse, first_max = lse_forward(e[:1], c, None, None, targets[:1], None,
+                                       record_tile_max=True)
+    expected = live_tiles(first_max, first_lse, scale[:1], targets[:1], None, grid.block_tokens,
+                          grid.block_vocab, EPS)
+    assert torch.equal(live[0] > 0, expected[0] > 0)
+    assert bool((live[0] == 0).any()), "the test needs dead tiles"
+
+
+def test_ignored_row_with_lse_gradient_keeps_its_block_live(gen: torch.Generator,
+                                                            device: str) -> None:
+    """An ignored token whose LSE carries a gradient is not covered by the maxima, so its
+    whole token block stays live."""
+    e, c, _ = _peaked_inputs(gen, device)
+    grid = kernel_configs(e.dtype).live_grid
+    e = e[: grid.block_tokens]
+    targets = torch.full((e.shape[0],), -1, device=device)
+    targets[0] = 0
+    scale = (targets >= 0).float()
+    scale[1] = 0.5  # an LSE gradient on an ignored token
+    lse, tile_max = lse_forward(e, c, None, None, targets, None, record_tile_max=True)
+    live = live_tiles(tile_max, lse, scale, targets, None, grid.block_tokens, grid.block_vocab,
+                      EPS)
+    assert bool((live[0] > 0).all())
+
+
+def test_forward_only_calls_prepare_no_backward(gen: torch.Generator, device: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.no_grad the forward neither sorts the vocabulary nor records tile maxima,
+    even when the inputs require gradients; with gradients enabled it does."""
+    import cce
+    import cce.cce_function
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("vocab_order ran")
+
+    monkeypatch.setattr(cce.cce_function, "vocab_order", must_not_run)
+    e, c, targets = _peaked_inputs(gen, device)
+    e.requires_grad_()
+    with torch.no_grad():
+        cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
+    with pytest.raises(AssertionError, match="vocab_order ran"):
+        cce.linear_cross_entropy(e, c, targets, ignore_index=-1)

@@ -1,0 +1,510 @@
+"""The benchmark of the issue: every loss implementation, one cuBLAS GEMM and the targets.
+
+For each shape (bfloat16, N=8192 tokens): Gemma 3 270M on real Alpaca hidden states (all
+tokens, then prompt tokens ignored), and the Gemma 2 2B, Llama 3 8B and Phi 3.5 mini shapes on
+synthetic inputs with a language model's softmax sparsity (:mod:`experiments.synthetic`). For
+each method: forward, backward (after an untimed forward) and forward+backward time, peak memory
+above the inputs (forward under ``torch.no_grad``, forward+backward with gradients), and the
+relative error of the loss, dE and dC against a float64 reference. One GEMM ``e @ c.T`` of the
+same shape is the yardstick; the softmax's sparsity statistics are printed and stored per shape.
+
+Methods: ``cce`` and its ablations, the ``torch``, ``torch_compile`` and ``chunked`` baselines
+(the variants of :mod:`experiments.compare_impls`), and, when installed, Apple's
+``cut_cross_entropy`` and Liger's fused linear cross-entropy. Results: ``bench.json``,
+``bench.md`` (with the targets, MET or MISSED) and ``bench.png``.
+
+``python -m experiments.bench [--quick] [--shapes ...] [--methods ...] [--out results]
+[--data alpaca.json]``; also ``python -m experiments --only bench``. Each shape takes minutes on
+a GPU (torch.compile compiles for each): run a few at a time with ``--shapes`` and separate
+``--out`` folders when a command's time is limited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import textwrap
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+import cce
+from experiments.compare_impls import _relative_error, variants
+from experiments.harness import (DEVICE, MISSING, ON_GPU, WrittenResults, peak_memory_mb,
+                                 progress, time_fn, write_results)
+from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
+
+NAME = "bench"
+DTYPE = torch.bfloat16
+MIB = 2**20
+# Float64 logits per chunk of tokens in the reference (its other memory: float64_reference).
+REFERENCE_CHUNK_BYTES = 2**30
+
+Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    description: str
+    n_tokens: int
+    vocab_size: int
+    dim: int
+    data: str  # "alpaca", "alpaca_masked" (prompt tokens ignored) or "lm_like"
+
+
+SHAPES: dict[str, Shape] = {shape.name: shape for shape in (
+    Shape("gemma3", "Gemma 3 270M, Alpaca", 8192, 262144, 640, "alpaca"),
+    Shape("gemma3_masked", "Gemma 3 270M, Alpaca, prompt ignored", 8192, 262144, 640,
+          "alpaca_masked"),
+    Shape("gemma2_2b", "Gemma 2 2B shape", 8192, 256000, 2304, "lm_like"),
+    Shape("llama3_8b", "Llama 3 8B shape", 8192, 128256, 4096, "lm_like"),
+    Shape("phi3_5_mini", "Phi 3.5 mini shape", 8192, 32064, 3072, "lm_like"),
+    # About 40 s for every method on a CPU, where the Triton kernels run in the interpreter.
+    Shape("quick", "tiny (CPU smoke test)", 128, 2048, 64, "lm_like"),
+)}
+FULL_SHAPES = ("gemma3", "gemma3_masked", "gemma2_2b", "llama3_8b", "phi3_5_mini")
+QUICK_SHAPES = ("quick",)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    loss: Callable[[], Loss]  # builds the loss function; raises ImportError when not installed
+    needs_cuda: bool = False
+
+
+def _cce_variant_loss(impl: str, options: dict[str, Any]) -> Callable[[], Loss]:
+    def build() -> Loss:
+        return lambda e, c, targets: cce.linear_cross_entropy(e, c, targets, impl=impl,
+                                                              **options)
+    return build
+
+
+def _apple_cce_loss() -> Loss:
+    from cut_cross_entropy import linear_cross_entropy  # its default impl "cce": filter + sort
+    return linear_cross_entropy
+
+
+def _liger_loss() -> Loss:
+    from liger_kernel.transformers.fused_linear_cross_entropy import (
+        LigerFusedLinearCrossEntropyLoss)
+    module = LigerFusedLinearCrossEntropyLoss()  # mean over targets != -100, as the others
+    # Liger's argument order: forward(lin_weight, _input, target, bias=None).
+    return lambda e, c, targets: module(c, e, targets)
+
+
+METHODS: dict[str, Method] = {method.name: method for method in (
+    *(Method(v.name, _cce_variant_loss(v.impl, v.options)) for v in variants()),
+    Method("cut_cross_entropy", _apple_cce_loss, needs_cuda=True),
+    Method("liger", _liger_loss, needs_cuda=True),
+)}
+
+
+def run(quick: bool, out_dir: Path, shapes: Optional[list[str]] = None,
+        methods: Optional[list[str]] = None, data_path: Optional[Path] = None
+        ) -> WrittenResults:
+    """The registered entry point; ``shapes`` and ``methods`` default to all of them.
+
+    ``data_path``: the Alpaca JSON file for the real-data shapes (None: real_model's default).
+    """
+    shapes = list(QUICK_SHAPES if quick else FULL_SHAPES) if shapes is None else shapes
+    methods = list(METHODS) if methods is None else methods
+    # The interpreter takes seconds per CCE call: on CPU one timed call, no warm-up (the
+    # accuracy call before it has compiled what needs compiling). GPU: the harness's 5 + 20.
+    timing = {} if ON_GPU else {"warmup": 0, "repeats": 1}
+
+    rows: list[dict[str, Any]] = []
+    shape_info: dict[str, dict[str, Any]] = {}
+    real_model: dict[str, Any] = {}  # loaded once for both real-data shapes
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        e, c, targets, source = _inputs(shape, data_path, real_model)
+        info = _describe_inputs(shape, e, c, targets, source)
+        print(f"{shape.name}: {info['data']}; "
+              + ", ".join(f"{key}={info['sparsity'][key]:.4g}" for key in info["sparsity"]),
+              file=sys.stderr)
+        reference = float64_reference(e, c, targets)
+        info["reference_loss"] = float(reference[0])
+        info["gemm_ms"] = _time_gemm(e, c, timing)
+        shape_info[shape.name] = info
+        for method_name in progress(methods, shape.name, leave=False):
+            rows.append(_measure(METHODS[method_name], shape, e, c, targets, reference, timing))
+        del e, c, targets, reference
+        if ON_GPU:
+            torch.cuda.empty_cache()
+    del real_model
+
+    rows = _with_ratios(rows, shape_info)
+    targets_report = evaluate_targets(rows, shape_info)
+    meta = {
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "times": ("ms, median of 20 calls after 5 warm-up calls (CUDA events)" if ON_GPU
+                  else "ms, one call (CPU smoke test)")
+                 + "; fwd with gradients enabled (a training step's forward); bwd alone after "
+                   "an untimed forward",
+        "memory": "peak MB allocated above what was in use before (the inputs): fwd under "
+                  "torch.no_grad, fwd_bwd with dE and dC included; GPU only",
+        "ratios": "speedup_vs_compile = torch_compile fwd_bwd / fwd_bwd; *_vs_gemm = time / "
+                  "one e @ c.T",
+        "errors": "||x - x64|| / ||x64|| against a float64 reference computed in token "
+                  "chunks from the same bfloat16 inputs, reduction='mean'",
+        "l2_cache_mb": (torch.cuda.get_device_properties(DEVICE).L2_cache_size / MIB
+                        if ON_GPU else None),
+    }
+    written = write_results(NAME, rows, meta, out_dir)
+    written = _add_sections(written, shape_info, targets_report)
+    _plot(rows, shape_info, out_dir / f"{NAME}.png")
+    return written
+
+
+def float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                      chunk_bytes: int = REFERENCE_CHUNK_BYTES
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 ``(loss, dE, dC)`` of the mean cross-entropy of ``e @ c.T`` (ignore_index -100).
+
+    The full float64 logits (17 GB for 8192 x 262144) never exist: the tokens go through in
+    chunks of ``chunk_bytes`` of logits, each chunk's softmax gradient turned into its rows of
+    dE and its contribution to dC at once. Memory: float64 copies of e and c, dE and dC, and
+    one chunk (about 10 GB for the Gemma 2 2B shape).
+    """
+    e64 = e.detach().double()
+    c64 = c.detach().double()
+    valid = targets >= 0
+    n_valid = valid.sum()
+    grad_e = torch.zeros_like(e64)
+    grad_c = torch.zeros_like(c64)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=e.device)
+    chunk_rows = max(1, chunk_bytes // (8 * c.shape[0]))
+    for start in range(0, e.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        chunk_targets = targets[rows].clamp(min=0)[:, None]
+        chunk_valid = valid[rows]
+        logits = e64[rows] @ c64.T
+        lse = torch.logsumexp(logits, dim=1, keepdim=True)
+        target_logit = logits.gather(1, chunk_targets)
+        loss_sum += ((lse - target_logit).squeeze(1) * chunk_valid).sum()
+        # d(mean loss)/d(logits) = (softmax - onehot(target)) / n_valid on valid rows, in place.
+        grad_logits = logits.sub_(lse).exp_()
+        grad_logits.scatter_add_(1, chunk_targets, -torch.ones_like(target_logit))
+        grad_logits *= (chunk_valid.double() / n_valid)[:, None]
+        grad_e[rows] = grad_logits @ c64
+        grad_c.addmm_(grad_logits.T, e64[rows])
+        del logits, grad_logits
+    return loss_sum / n_valid, grad_e, grad_c
+
+
+@dataclass(frozen=True)
+class TargetCheck:
+    """One of the issue's targets: ``value <= limit`` on one shape."""
+
+    target: str
+    shape: str
+    value: Optional[float]
+    limit: Optional[float]
+    note: str = ""
+
+    @property
+    def status(self) -> str:
+        if self.value is None or self.limit is None or math.isnan(self.value):
+            return "NOT MEASURED"
+        return "MET" if self.value <= self.limit else "MISSED"
+
+
+# (shape, time column, yardstick, limit): cce's time over the same time of torch_compile, or
+# over one GEMM ("gemm"), must be <= limit.
+SPEED_TARGETS: tuple[tuple[str, str, str, float], ...] = (
+    ("gemma3", "fwd_bwd_ms", "torch_compile", 0.6),
+    ("gemma2_2b", "fwd_ms", "gemm", 1.15),
+    ("gemma2_2b", "fwd_bwd_ms", "torch_compile", 0.8),
+    ("llama3_8b", "fwd_bwd_ms", "torch_compile", 0.9),
+    ("phi3_5_mini", "fwd_bwd_ms", "torch_compile", 1.2),
+)
+FORWARD_MEMORY_MB = 2.0
+BACKWARD_MEMORY_SLACK = 0.01  # fraction of dE + dC
+BACKWARD_MEMORY_MB = 16.0
+GRADIENT_ERROR = 4e-3
+GRADIENT_ERROR_VS_COMPILE = 2.0
+
+
+def evaluate_targets(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]]
+                     ) -> list[TargetCheck]:
+    """The issue's targets for ``impl="cce"`` (its defaults), on the shapes that were measured.
+
+    Speed targets name their shape; the memory and gradient-error targets apply to every
+    measured shape. A quantity that is missing (a CPU run has no memory numbers, a method that
+    was not run or failed) makes its target NOT MEASURED rather than MET or MISSED.
+    """
+    by_key = {(row["shape"], row["method"]): row for row in rows}
+    checks: list[TargetCheck] = []
+
+    def value(shape: str, method: str, column: str) -> Optional[float]:
+        return by_key.get((shape, method), {}).get(column)
+
+    def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+        return None if numerator is None or not denominator else numerator / denominator
+
+    for shape, column, baseline, limit in SPEED_TARGETS:
+        what = "forward" if column == "fwd_ms" else "fwd+bwd"
+        yardstick = ("one GEMM" if baseline == "gemm" else "torch.compile")
+        base = (shape_info.get(shape, {}).get("gemm_ms") if baseline == "gemm"
+                else value(shape, baseline, column))
+        checks.append(TargetCheck(f"{what} <= {limit}x {yardstick}", shape,
+                                  ratio(value(shape, "cce", column), base), limit,
+                                  shape_info.get(shape, {}).get("data", "shape not run")))
+
+    for shape, info in shape_info.items():
+        checks.append(TargetCheck(f"forward memory <= {FORWARD_MEMORY_MB:g} MB above inputs",
+                                  shape, value(shape, "cce", "fwd_peak_mb"), FORWARD_MEMORY_MB))
+        gradients_mb = info["gradients_mb"]
+        checks.append(TargetCheck(
+            f"fwd+bwd memory <= dE + dC + {BACKWARD_MEMORY_SLACK:.0%} + "
+            f"{BACKWARD_MEMORY_MB:g} MB", shape, value(shape, "cce", "fwd_bwd_peak_mb"),
+            gradients_mb * (1 + BACKWARD_MEMORY_SLACK) + BACKWARD_MEMORY_MB,
+            f"dE + dC = {gradients_mb:.1f} MB"))
+        for column, label in (("de_rel_err", "dE"), ("dc_rel_err", "dC")):
+            compiled = value(shape, "torch_compile", column)
+            limit = (None if compiled is None
+                     else min(GRADIENT_ERROR, GRADIENT_ERROR_VS_COMPILE * compiled))
+            checks.append(TargetCheck(
+                f"{label} error <= {GRADIENT_ERROR:g} and <= {GRADIENT_ERROR_VS_COMPILE:g}x "
+                "torch.compile's", shape, value(shape, "cce", column), limit,
+                "" if compiled is None else f"torch.compile: {compiled:.2e}"))
+    return checks
+
+
+def _inputs(shape: Shape, data_path: Optional[Path], real_model: dict[str, Any]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """``(e, c, targets, data source)`` on DEVICE; real hidden states when they can be had.
+
+    ``real_model`` keeps the loaded model and tokenizer for the next real-data shape.
+    """
+    if shape.data.startswith("alpaca"):
+        try:
+            # Imported here: it needs transformers, gguf and the model package.
+            from experiments.real_model import alpaca_embeddings, load_model
+            if not real_model:
+                real_model["model"], real_model["tokenizer"] = load_model(DEVICE, DTYPE)
+            e, c, targets = alpaca_embeddings(shape.n_tokens, device=DEVICE, dtype=DTYPE,
+                                              data_path=data_path,
+                                              mask_prompt=shape.data == "alpaca_masked",
+                                              **real_model)
+        except ImportError as error:
+            reason = f"real model not importable ({type(error).__name__}: {error})"
+            print(f"{shape.name}: {reason}; using synthetic LM-like inputs", file=sys.stderr)
+            e, c, targets = lm_like_inputs(shape.n_tokens, shape.vocab_size, shape.dim,
+                                           dtype=DTYPE, device=DEVICE)
+            return e, c, targets, f"synthetic LM-like: {reason}"
+        masked = ", prompt tokens ignored" if shape.data == "alpaca_masked" else ""
+        return (e.detach().requires_grad_(), c.detach().requires_grad_(), targets,
+                f"real: Gemma 3 270M final hidden states on Alpaca{masked}")
+    e, c, targets = lm_like_inputs(shape.n_tokens, shape.vocab_size, shape.dim, dtype=DTYPE,
+                                   device=DEVICE)
+    return e, c, targets, "synthetic LM-like (experiments.synthetic, calibrated)"
+
+
+def _describe_inputs(shape: Shape, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                     source: str) -> dict[str, Any]:
+    input_bytes = e.numel() * e.element_size() + c.numel() * c.element_size()
+    return {
+        "description": shape.description,
+        "n_tokens": e.shape[0], "vocab_size": c.shape[0], "dim": c.shape[1],
+        "valid_tokens": int((targets >= 0).sum()),
+        "data": source,
+        "inputs_mb": input_bytes / MIB,
+        "gradients_mb": input_bytes / MIB,  # dE and dC have the inputs' shapes and dtype
+        "sparsity": sparsity_statistics(e, c, targets),
+    }
+
+
+def _time_gemm(e: torch.Tensor, c: torch.Tensor, timing: dict[str, int]) -> float:
+    with torch.no_grad():
+        return time_fn(lambda: e @ c.T, **timing)
+
+
+def _measure(method: Method, shape: Shape, e: torch.Tensor, c: torch.Tensor,
+             targets: torch.Tensor,
+             reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+             timing: dict[str, int]) -> dict[str, Any]:
+    row: dict[str, Any] = {"shape": shape.name, "method": method.name}
+    if method.needs_cuda and not ON_GPU:
+        row["skipped"] = "needs a CUDA device"
+        return row
+    try:
+        loss_fn = method.loss()
+    except ImportError as error:
+        row["skipped"] = f"not installed ({error})"
+        return row
+    except Exception as error:  # installed but broken (a version clash): the others still run
+        row["error"] = f"{type(error).__name__}: {error}"
+        return row
+
+    def forward() -> torch.Tensor:
+        return loss_fn(e, c, targets)
+
+    def forward_no_grad() -> torch.Tensor:
+        with torch.no_grad():
+            return loss_fn(e, c, targets)
+
+    # autograd.grad rather than .backward(): gradients do not pile up in e.grad and c.grad.
+    def backward(loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(loss, (e, c))
+
+    def forward_backward() -> tuple[torch.Tensor, ...]:
+        return backward(forward())
+
+    try:
+        # First call: accuracy, and compilation out of the way before any timing.
+        loss = forward()
+        de, dc = backward(loss)
+        for column, result, expected in zip(("loss_rel_err", "de_rel_err", "dc_rel_err"),
+                                            (loss, de, dc), reference):
+            row[column] = _relative_error(result, expected)
+        del loss, de, dc  # so that they do not sit in memory during the measurements
+        row["fwd_ms"] = time_fn(forward, **timing)
+        row["bwd_ms"] = time_fn(backward, setup=forward, **timing)
+        row["fwd_bwd_ms"] = time_fn(forward_backward, **timing)
+        forward_no_grad()  # torch.compile guards on grad mode: compile that graph untracked
+        row["fwd_peak_mb"] = peak_memory_mb(forward_no_grad)
+        row["fwd_bwd_peak_mb"] = peak_memory_mb(forward_backward)
+    except Exception as error:  # one failing method (OOM, a kernel bug) must not hide the others
+        row["error"] = f"{type(error).__name__}: {error}"
+    return row
+
+
+# The result table's columns, in this order (a row has those it measured).
+COLUMNS = ("shape", "method", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_peak_mb", "fwd_bwd_peak_mb",
+           "speedup_vs_compile", "fwd_vs_gemm", "fwd_bwd_vs_gemm", "loss_rel_err", "de_rel_err",
+           "dc_rel_err", "skipped", "error")
+
+
+def _with_ratios(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]]
+                 ) -> list[dict[str, Any]]:
+    """The rows with their time ratios to torch.compile and to one GEMM, columns in order."""
+    compiled = {row["shape"]: row.get("fwd_bwd_ms") for row in rows
+                if row["method"] == "torch_compile"}
+    finished = []
+    for row in rows:
+        row = dict(row)
+        if "fwd_bwd_ms" in row:
+            if compiled.get(row["shape"]):
+                row["speedup_vs_compile"] = compiled[row["shape"]] / row["fwd_bwd_ms"]
+            gemm_ms = shape_info[row["shape"]]["gemm_ms"]
+            row["fwd_vs_gemm"] = row["fwd_ms"] / gemm_ms
+            row["fwd_bwd_vs_gemm"] = row["fwd_bwd_ms"] / gemm_ms
+        finished.append({column: row[column] for column in COLUMNS if column in row})
+    return finished
+
+
+def _add_sections(written: WrittenResults, shape_info: dict[str, dict[str, Any]],
+                  checks: list[TargetCheck]) -> WrittenResults:
+    """Add the per-shape inputs and the targets to the JSON and Markdown files."""
+    results = json.loads(written.json_path.read_text())
+    results["shapes"] = shape_info
+    results["targets"] = [{"target": check.target, "shape": check.shape, "value": check.value,
+                           "limit": check.limit, "status": check.status, "note": check.note}
+                          for check in checks]
+    written.json_path.write_text(json.dumps(results, indent=2) + "\n")
+
+    real = REAL_DATA_STATISTICS
+    lines = ["", "## Inputs", "",
+             "Sparsity: softmax entries >= 2^-12 per row and the fraction of 128 x 128 tiles "
+             "holding one or more, in vocabulary order and sorted (Alpaca on Gemma 3 270M: "
+             f"{real['entries_per_row']:.0f}, {real['tiles_nonempty']:.0%}, "
+             f"{real['tiles_nonempty_sorted']:.0%}).", "",
+             "| shape | N x V x D | valid tokens | data | inputs MB | entries/row | tiles "
+             "| tiles sorted | one GEMM ms | reference loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, info in shape_info.items():
+        sparsity = info["sparsity"]
+        lines.append(
+            f"| {name} | {info['n_tokens']} x {info['vocab_size']} x {info['dim']} | "
+            f"{info['valid_tokens']} | {_cell(info['data'])} | {info['inputs_mb']:.4g} | "
+            f"{sparsity['entries_per_row']:.0f} | {sparsity['tiles_nonempty']:.1%} | "
+            f"{sparsity['tiles_nonempty_sorted']:.1%} | {info['gemm_ms']:.3g} | "
+            f"{info['reference_loss']:.4f} |")
+    lines += ["", "## Targets (impl=\"cce\")", "", "| status | target | shape | value | limit "
+              "| note |", "|---|---|---|---|---|---|"]
+    lines += [f"| {check.status} | {check.target} | {check.shape} | {_number(check.value)} | "
+              f"{_number(check.limit)} | {_cell(check.note)} |" for check in checks]
+    markdown = written.markdown + "\n".join(lines) + "\n"
+    written.markdown_path.write_text(markdown)
+    return replace(written, markdown=markdown)
+
+
+def _number(value: Optional[float]) -> str:
+    return MISSING if value is None else f"{value:.3g}"
+
+
+def _cell(text: str) -> str:
+    """Text that cannot break a Markdown table row (an error message may hold a pipe)."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _plot(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
+          path: Path) -> None:
+    """Grouped bars: forward+backward time of every method per shape, one GEMM as a marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a benchmark machine
+    import matplotlib.pyplot as plt
+
+    shapes = list(shape_info)
+    times = {(row["shape"], row["method"]): row["fwd_bwd_ms"] for row in rows
+             if row.get("fwd_bwd_ms")}
+    # Methods that were skipped or failed everywhere get no slot in the groups.
+    methods = list(dict.fromkeys(method for _, method in times))
+    width = 0.8 / max(1, len(methods))
+    figure, axes = plt.subplots(figsize=(max(6.0, 1.8 * len(shapes)) + 2.5, 4.5))
+    colors = plt.get_cmap("tab10").colors
+    for index, method in enumerate(methods):
+        measured = [(i, times[shape, method]) for i, shape in enumerate(shapes)
+                    if (shape, method) in times]
+        axes.bar([i - 0.4 + width * (index + 0.5) for i, _ in measured],
+                 [ms for _, ms in measured], width, label=method,
+                 color=colors[index % len(colors)])
+    for i, shape in enumerate(shapes):
+        axes.hlines(shape_info[shape]["gemm_ms"], i - 0.42, i + 0.42, colors="black",
+                    linestyles="--", label="one GEMM e @ c.T" if i == 0 else None)
+    # Which inputs, since a real-data shape falls back to synthetic inputs without the model.
+    labels = [textwrap.fill(shape_info[s]["description"], 20) + "\n"
+              + shape_info[s]["data"].split(":")[0].split(" (")[0] for s in shapes]
+    axes.set_xticks(range(len(shapes)), labels, fontsize=8)
+    axes.set_yscale("log")
+    axes.set_ylabel("forward + backward, ms (log scale)")
+    device = torch.cuda.get_device_name(DEVICE) if ON_GPU else "CPU: NOT GPU TIMINGS"
+    axes.set_title(f"Linear cross-entropy, bfloat16 ({device})")
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="the tiny shape only (the default when no CUDA device)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), metavar="SHAPE",
+                        help=f"shapes to run, of: {', '.join(SHAPES)}")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), metavar="METHOD",
+                        help=f"methods to run, of: {', '.join(repr(m) for m in METHODS)}")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--data", type=Path, help="Alpaca JSON file for the real-data shapes "
+                        "(default: experiments.real_model's)")
+    args = parser.parse_args(argv)
+    quick = args.quick or not ON_GPU
+    written = run(quick, args.out, shapes=args.shapes, methods=args.methods,
+                  data_path=args.data)
+    print(written.markdown)
+    for error in written.errors:
+        print(f"FAILED {error}", file=sys.stderr)
+    return 1 if written.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
