@@ -7,6 +7,8 @@ optional dependencies (transformers, datasets, ...) are needed only by that expe
 """
 
 EXPERIMENTS: dict[str, str] = {
+    "bench": "experiments.bench",
     "compare_impls": "experiments.compare_impls",
     "fig1_memory": "experiments.fig1_memory",
+    "fig3_sparsity": "experiments.fig3_sparsity",
 }
