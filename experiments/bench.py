@@ -33,8 +33,8 @@ from typing import Any, Callable, Optional
 import torch
 
 import cce
-from experiments.compare_impls import _relative_error, variants
-from experiments.harness import (DEVICE, MISSING, ON_GPU, WrittenResults, peak_memory_mb,
+from experiments.compare_impls import variants
+from experiments.harness import (DEVICE, MISSING, ON_GPU, WrittenResults, measure_loss,
                                  progress, time_fn, write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
@@ -343,36 +343,7 @@ def _measure(method: Method, shape: Shape, e: torch.Tensor, c: torch.Tensor,
         row["error"] = f"{type(error).__name__}: {error}"
         return row
 
-    def forward() -> torch.Tensor:
-        return loss_fn(e, c, targets)
-
-    def forward_no_grad() -> torch.Tensor:
-        with torch.no_grad():
-            return loss_fn(e, c, targets)
-
-    # autograd.grad rather than .backward(): gradients do not pile up in e.grad and c.grad.
-    def backward(loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad(loss, (e, c))
-
-    def forward_backward() -> tuple[torch.Tensor, ...]:
-        return backward(forward())
-
-    try:
-        # First call: accuracy, and compilation out of the way before any timing.
-        loss = forward()
-        de, dc = backward(loss)
-        for column, result, expected in zip(("loss_rel_err", "de_rel_err", "dc_rel_err"),
-                                            (loss, de, dc), reference):
-            row[column] = _relative_error(result, expected)
-        del loss, de, dc  # so that they do not sit in memory during the measurements
-        row["fwd_ms"] = time_fn(forward, **timing)
-        row["bwd_ms"] = time_fn(backward, setup=forward, **timing)
-        row["fwd_bwd_ms"] = time_fn(forward_backward, **timing)
-        forward_no_grad()  # torch.compile guards on grad mode: compile that graph untracked
-        row["fwd_peak_mb"] = peak_memory_mb(forward_no_grad)
-        row["fwd_bwd_peak_mb"] = peak_memory_mb(forward_backward)
-    except Exception as error:  # one failing method (OOM, a kernel bug) must not hide the others
-        row["error"] = f"{type(error).__name__}: {error}"
+    row.update(measure_loss(loss_fn, e, c, targets, reference, timing))
     return row
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import cce
 from experiments.harness import (IGNORE_INDEX, ON_GPU, WrittenResults, make_inputs,
-                                 peak_memory_mb, progress, time_fn, write_results)
+                                 measure_loss, progress, write_results)
 
 NAME = "compare_impls"
 
@@ -76,34 +76,12 @@ def compare(size: ProblemSize, dtype: torch.dtype, out_dir: Path) -> WrittenResu
 
 def _measure(variant: Variant, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
              reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, Any]:
-    def forward() -> torch.Tensor:
+    def loss_fn(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cce.linear_cross_entropy(e, c, targets, ignore_index=IGNORE_INDEX,
                                         impl=variant.impl, **variant.options)
 
-    # autograd.grad rather than .backward(): gradients do not pile up in e.grad and c.grad.
-    def backward(loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad(loss, (e, c))
-
-    def forward_backward() -> tuple[torch.Tensor, ...]:
-        return backward(forward())
-
-    row: dict[str, Any] = {"variant": variant.name, "impl": variant.impl}
-    try:
-        # First call: accuracy, and compilation out of the way before any timing.
-        loss = forward()
-        de, dc = backward(loss)
-        for key, value, expected in zip(("loss_rel_err", "de_rel_err", "dc_rel_err"),
-                                        (loss, de, dc), reference):
-            row[key] = _relative_error(value, expected)
-        del loss, de, dc  # so that they do not sit in memory during the measurements
-        row["fwd_ms"] = time_fn(forward)
-        row["bwd_ms"] = time_fn(backward, setup=forward)
-        row["fwd_bwd_ms"] = time_fn(forward_backward)
-        row["fwd_peak_mb"] = peak_memory_mb(forward)
-        row["fwd_bwd_peak_mb"] = peak_memory_mb(forward_backward)
-    except Exception as error:  # one failing variant (OOM, a kernel bug) must not hide the others
-        row["error"] = f"{type(error).__name__}: {error}"
-    return row
+    return {"variant": variant.name, "impl": variant.impl,
+            **measure_loss(loss_fn, e, c, targets, reference)}
 
 
 def _float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
@@ -113,7 +91,3 @@ def _float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
     loss = F.cross_entropy(e64 @ c64.T, targets, ignore_index=IGNORE_INDEX)
     de, dc = torch.autograd.grad(loss, (e64, c64))
     return loss.detach(), de, dc
-
-
-def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((value.detach().double() - reference).norm() / reference.norm())

@@ -44,7 +44,6 @@ layer's activations during backward, the logits' gradient and bf16 copy of a rea
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -123,6 +123,59 @@ def make_inputs(n_tokens: int, vocab_size: int, dim: int, dtype: torch.dtype = t
             targets)
 
 
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||value - reference|| / ||reference||``, in float64."""
+    return float((value.detach().double() - reference).norm() / reference.norm())
+
+
+def measure_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                 e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                 reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 timing: Optional[dict[str, int]] = None) -> dict[str, Any]:
+    """Accuracy, times and peak memory of one loss ``loss_fn(e, c, targets)``.
+
+    Returns loss/dE/dC relative errors against ``reference`` (loss, dE, dC in float64), the
+    median times of forward, backward alone and forward+backward (``timing`` is passed to
+    :func:`time_fn`), and the peak memory of the forward under torch.no_grad and of
+    forward+backward. An exception becomes an ``"error"`` entry, so that one failing method
+    (OOM, a kernel bug) does not hide the others.
+    """
+    timing = timing or {}
+
+    def forward() -> torch.Tensor:
+        return loss_fn(e, c, targets)
+
+    def forward_no_grad() -> torch.Tensor:
+        with torch.no_grad():
+            return loss_fn(e, c, targets)
+
+    # autograd.grad rather than .backward(): gradients do not pile up in e.grad and c.grad.
+    def backward(loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(loss, (e, c))
+
+    def forward_backward() -> tuple[torch.Tensor, ...]:
+        return backward(forward())
+
+    row: dict[str, Any] = {}
+    try:
+        # First call: accuracy, and compilation out of the way before any timing.
+        loss = forward()
+        de, dc = backward(loss)
+        for column, result, expected in zip(("loss_rel_err", "de_rel_err", "dc_rel_err"),
+                                            (loss, de, dc), reference):
+            row[column] = relative_error(result, expected)
+        del loss, de, dc  # so that they do not sit in memory during the measurements
+        row["fwd_ms"] = time_fn(forward, **timing)
+        row["bwd_ms"] = time_fn(backward, setup=forward, **timing)
+        row["fwd_bwd_ms"] = time_fn(forward_backward, **timing)
+        forward_no_grad()  # torch.compile guards on grad mode: compile that graph untracked
+        row["fwd_peak_mb"] = peak_memory_mb(forward_no_grad)
+        row["fwd_bwd_peak_mb"] = peak_memory_mb(forward_backward)
+    except Exception as error:
+        row["error"] = f"{type(error).__name__}: {error}"
+    return row
+
+
 def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
                   out_dir: Path = Path("results"), device_dependent: bool = True
                   ) -> WrittenResults:
