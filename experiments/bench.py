@@ -34,15 +34,13 @@ import torch
 
 import cce
 from experiments.compare_impls import variants
-from experiments.harness import (DEVICE, MISSING, ON_GPU, WrittenResults, measure_loss,
-                                 progress, time_fn, write_results)
+from experiments.harness import (DEVICE, MISSING, ON_GPU, WrittenResults, float64_reference,
+                                 measure_loss, progress, time_fn, write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
 NAME = "bench"
 DTYPE = torch.bfloat16
 MIB = 2**20
-# Float64 logits per chunk of tokens in the reference (its other memory: float64_reference).
-REFERENCE_CHUNK_BYTES = 2**30
 
 Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -160,42 +158,6 @@ def run(quick: bool, out_dir: Path, shapes: Optional[list[str]] = None,
     written = _add_sections(written, shape_info, targets_report)
     _plot(rows, shape_info, out_dir / f"{NAME}.png")
     return written
-
-
-def float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                      chunk_bytes: int = REFERENCE_CHUNK_BYTES
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float64 ``(loss, dE, dC)`` of the mean cross-entropy of ``e @ c.T`` (ignore_index -100).
-
-    The full float64 logits (17 GB for 8192 x 262144) never exist: the tokens go through in
-    chunks of ``chunk_bytes`` of logits, each chunk's softmax gradient turned into its rows of
-    dE and its contribution to dC at once. Memory: float64 copies of e and c, dE and dC, and
-    one chunk (about 10 GB for the Gemma 2 2B shape).
-    """
-    e64 = e.detach().double()
-    c64 = c.detach().double()
-    valid = targets >= 0
-    n_valid = valid.sum()
-    grad_e = torch.zeros_like(e64)
-    grad_c = torch.zeros_like(c64)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=e.device)
-    chunk_rows = max(1, chunk_bytes // (8 * c.shape[0]))
-    for start in range(0, e.shape[0], chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        chunk_targets = targets[rows].clamp(min=0)[:, None]
-        chunk_valid = valid[rows]
-        logits = e64[rows] @ c64.T
-        lse = torch.logsumexp(logits, dim=1, keepdim=True)
-        target_logit = logits.gather(1, chunk_targets)
-        loss_sum += ((lse - target_logit).squeeze(1) * chunk_valid).sum()
-        # d(mean loss)/d(logits) = (softmax - onehot(target)) / n_valid on valid rows, in place.
-        grad_logits = logits.sub_(lse).exp_()
-        grad_logits.scatter_add_(1, chunk_targets, -torch.ones_like(target_logit))
-        grad_logits *= (chunk_valid.double() / n_valid)[:, None]
-        grad_e[rows] = grad_logits @ c64
-        grad_c.addmm_(grad_logits.T, e64[rows])
-        del logits, grad_logits
-    return loss_sum / n_valid, grad_e, grad_c
 
 
 @dataclass(frozen=True)

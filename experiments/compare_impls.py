@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import cce
 from experiments.harness import (IGNORE_INDEX, ON_GPU, WrittenResults, make_inputs,
-                                 measure_loss, progress, write_results)
+                                 float64_reference, measure_loss, progress, write_results)
 
 NAME = "compare_impls"
 
@@ -58,7 +57,7 @@ def run(quick: bool, out_dir: Path) -> WrittenResults:
 def compare(size: ProblemSize, dtype: torch.dtype, out_dir: Path) -> WrittenResults:
     """Measure every variant on one random problem of ``size`` and write the result files."""
     e, c, targets = make_inputs(size.n_tokens, size.vocab_size, size.dim, dtype)
-    reference = _float64_reference(e, c, targets)
+    reference = float64_reference(e, c, targets)
     rows = [_measure(variant, e, c, targets, reference)
             for variant in progress(variants(), NAME, leave=False)]
     meta = {
@@ -82,12 +81,3 @@ def _measure(variant: Variant, e: torch.Tensor, c: torch.Tensor, targets: torch.
 
     return {"variant": variant.name, "impl": variant.impl,
             **measure_loss(loss_fn, e, c, targets, reference)}
-
-
-def _float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    e64 = e.detach().double().requires_grad_()
-    c64 = c.detach().double().requires_grad_()
-    loss = F.cross_entropy(e64 @ c64.T, targets, ignore_index=IGNORE_INDEX)
-    de, dc = torch.autograd.grad(loss, (e64, c64))
-    return loss.detach(), de, dc

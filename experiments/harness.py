@@ -128,6 +128,46 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float((value.detach().double() - reference).norm() / reference.norm())
 
 
+# Float64 logits per chunk of tokens in the reference (its other memory: float64_reference).
+REFERENCE_CHUNK_BYTES = 2**30
+
+
+def float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                      chunk_bytes: int = REFERENCE_CHUNK_BYTES
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 ``(loss, dE, dC)`` of the mean cross-entropy of ``e @ c.T`` (ignore_index -100).
+
+    The full float64 logits (17 GB for 8192 x 262144) never exist: the tokens go through in
+    chunks of ``chunk_bytes`` of logits, each chunk's softmax gradient turned into its rows of
+    dE and its contribution to dC at once. Memory: float64 copies of e and c, dE and dC, and
+    one chunk (about 10 GB for the Gemma 2 2B shape).
+    """
+    e64 = e.detach().double()
+    c64 = c.detach().double()
+    valid = targets >= 0
+    n_valid = valid.sum()
+    grad_e = torch.zeros_like(e64)
+    grad_c = torch.zeros_like(c64)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=e.device)
+    chunk_rows = max(1, chunk_bytes // (8 * c.shape[0]))
+    for start in range(0, e.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        chunk_targets = targets[rows].clamp(min=0)[:, None]
+        chunk_valid = valid[rows]
+        logits = e64[rows] @ c64.T
+        lse = torch.logsumexp(logits, dim=1, keepdim=True)
+        target_logit = logits.gather(1, chunk_targets)
+        loss_sum += ((lse - target_logit).squeeze(1) * chunk_valid).sum()
+        # d(mean loss)/d(logits) = (softmax - onehot(target)) / n_valid on valid rows, in place.
+        grad_logits = logits.sub_(lse).exp_()
+        grad_logits.scatter_add_(1, chunk_targets, -torch.ones_like(target_logit))
+        grad_logits *= (chunk_valid.double() / n_valid)[:, None]
+        grad_e[rows] = grad_logits @ c64
+        grad_c.addmm_(grad_logits.T, e64[rows])
+        del logits, grad_logits
+    return loss_sum / n_valid, grad_e, grad_c
+
+
 def measure_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
                  e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                  reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor],

@@ -110,7 +110,7 @@ def test_calibrate_recovers_statistics_it_can_reach() -> None:
 
 
 def test_float64_reference_matches_autograd_in_chunks() -> None:
-    from experiments.bench import float64_reference
+    from experiments.harness import float64_reference
 
     generator = torch.Generator().manual_seed(0)
     e = torch.randn(37, 12, generator=generator)
