@@ -41,7 +41,7 @@ def live_tiles(tile_max: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tens
     gradient has the -1 of the target). A NaN anywhere keeps the tile live, so NaN inputs still
     reach the gradients.
     """
-    num_token_blocks, num_vocab_blocks = tile_max.shape
+    num_token_blocks = tile_max.shape[0]
     padding = num_token_blocks * block_tokens - lse.shape[0]
 
     def per_block(values: torch.Tensor, fill: float) -> torch.Tensor:

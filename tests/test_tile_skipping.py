@@ -110,15 +110,21 @@ def test_live_tile_bound_is_exact_for_one_token(gen: torch.Generator, device: st
     assert bool(live[0, tile] > 0) == expected_live
 
 
-def test_ignored_rows_do_not_keep_tiles_live(gen: torch.Generator, device: str) -> None:
-    """Ignored tokens enter neither the recorded maxima nor the bound: the table of a block
-    equals that of its one non-ignored token."""
+def _one_token_block_with_one_target(gen: torch.Generator, device: str):
+    """One live-grid block of peaked tokens where only the first has a target: (e, c, grid,
+    targets, prob_scale with 1 on that token)."""
     e, c, _ = _peaked_inputs(gen, device)
     grid = kernel_configs(e.dtype).live_grid
     e = e[: grid.block_tokens]
     targets = torch.full((e.shape[0],), -1, device=device)
     targets[0] = 0
-    scale = (targets >= 0).float()
+    return e, c, grid, targets, (targets >= 0).float()
+
+
+def test_ignored_rows_do_not_keep_tiles_live(gen: torch.Generator, device: str) -> None:
+    """Ignored tokens enter neither the recorded maxima nor the bound: the table of a block
+    equals that of its one non-ignored token."""
+    e, c, grid, targets, scale = _one_token_block_with_one_target(gen, device)
     lse, tile_max = lse_forward(e, c, None, None, targets, None, record_tile_max=True)
     live = live_tiles(tile_max, lse, scale, targets, None, grid.block_tokens, grid.block_vocab,
                       EPS)
@@ -135,12 +141,7 @@ def test_ignored_row_with_lse_gradient_keeps_its_block_live(gen: torch.Generator
                                                             device: str) -> None:
     """An ignored token whose LSE carries a gradient is not covered by the maxima, so its
     whole token block stays live."""
-    e, c, _ = _peaked_inputs(gen, device)
-    grid = kernel_configs(e.dtype).live_grid
-    e = e[: grid.block_tokens]
-    targets = torch.full((e.shape[0],), -1, device=device)
-    targets[0] = 0
-    scale = (targets >= 0).float()
+    e, c, grid, targets, scale = _one_token_block_with_one_target(gen, device)
     scale[1] = 0.5  # an LSE gradient on an ignored token
     lse, tile_max = lse_forward(e, c, None, None, targets, None, record_tile_max=True)
     live = live_tiles(tile_max, lse, scale, targets, None, grid.block_tokens, grid.block_vocab,
