@@ -23,10 +23,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 vocab_sorting: bool, needs_grad: bool):
         # needs_grad comes from outside: grad mode is always off in here, and
         # ctx.needs_input_grad is True under torch.no_grad too.
-        order = vocab_order(e, c, bias, targets) if needs_grad and vocab_sorting else None
+        # Sorting only serves the backward's skipping: without a filter it would buy nothing.
+        skips_tiles = needs_grad and filter_eps is not None
+        order = vocab_order(e, c, bias, targets) if skips_tiles and vocab_sorting else None
         target_logit = indexed_dot(e, c, targets, bias, softcap)
         lse, tile_max = lse_forward(e, c, bias, softcap, targets, order,
-                                    record_tile_max=needs_grad and filter_eps is not None)
+                                    record_tile_max=skips_tiles)
         loss = torch.where(targets >= 0, lse - target_logit, 0.0)
         ctx.save_for_backward(e, c, bias, targets, lse, order, tile_max)
         ctx.softcap = softcap
