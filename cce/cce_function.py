@@ -6,8 +6,7 @@ from typing import Optional
 
 import torch
 
-from cce.backward_classifier import backward_classifier
-from cce.backward_embeddings import backward_embeddings
+from cce.backward import linear_cross_entropy_backward
 from cce.config import interpreting, kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
@@ -46,12 +45,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grid = kernel_configs(e.dtype).live_grid
             live = live_tiles(tile_max, lse, prob_scale, targets, order, grid.block_tokens,
                               grid.block_vocab, ctx.filter_eps)
-        arguments = (e, c, targets, bias, ctx.softcap, lse, prob_scale, target_scale, order,
-                     live, ctx.filter_eps)
-        grad_e = backward_embeddings(*arguments) if ctx.needs_input_grad[0] else None
-        grad_c, grad_bias = (backward_classifier(*arguments)
-                             if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-                             else (None, None))
+        grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
+            e, c, targets, bias, ctx.softcap, lse, prob_scale, target_scale, order, live,
+            ctx.filter_eps, needs_grad_e=ctx.needs_input_grad[0],
+            needs_grad_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
         return grad_e, grad_c, grad_bias, None, None, None, None, None
 
 

@@ -1,10 +1,11 @@
 """Block sizes and launch settings of every kernel, in one place.
 
-``live_grid`` is the grid of the live-tile table that the forward records and the backward
-kernels read: the forward's tiles are whole rows of it and the backward's blocks divide it. Each
-backward program accumulates a (block_tokens or block_vocab) x block_out float32 slice of dE or
-dC in registers and recomputes a logit tile for every block_out columns, so a wider block_out
-means less recompute but more registers.
+``live_grid`` is the tile grid of the backward: the forward records one maximum per tile of it
+(its own tiles are whole rows of the grid), the backward recomputes, stores and multiplies whole
+tiles of it, and ``backward_classifier`` (the owner kernel for the end of the vocabulary, see
+:mod:`cce.backward`) uses blocks that divide it. That kernel accumulates a block_vocab x
+block_out float32 slice of dC in registers and recomputes a logit tile for every block_out
+columns, so a wider block_out means less recompute but more registers.
 
 The Triton interpreter (CPU) runs one program at a time with numpy: it wants few, large
 programs. float32 inputs use exact fp32 dot products (``input_precision="ieee"``), which hold
@@ -21,9 +22,12 @@ import torch
 
 @dataclass(frozen=True)
 class KernelConfig:
-    block_tokens: int
-    block_vocab: int
-    block_dim: int  # D slice of each logit-tile product
+    """Block sizes and launch settings of one kernel; 0 = not a parameter of that kernel (the
+    backward's tiles are the live grid's)."""
+
+    block_tokens: int = 0
+    block_vocab: int = 0
+    block_dim: int = 0  # D slice of each logit-tile product
     block_out: int = 0  # backward: columns of dE / dC that one program owns
     num_warps: int = 4
     num_stages: int = 2
@@ -34,7 +38,8 @@ class KernelConfigs:
     indexed_dot: KernelConfig
     lse_forward: KernelConfig
     live_grid: KernelConfig  # tiles of the live-tile table (block_tokens x block_vocab)
-    backward_embeddings: KernelConfig
+    gradient_tiles: KernelConfig  # block_dim, warps and stages; the tiles are the live grid's
+    sparse_tile_matmul: KernelConfig  # block_out, warps and stages; rows are the live grid's
     backward_classifier: KernelConfig
 
     def __post_init__(self):
@@ -42,18 +47,17 @@ class KernelConfigs:
         if (self.lse_forward.block_tokens != grid.block_tokens
                 or self.lse_forward.block_vocab % grid.block_vocab):
             raise ValueError("the forward's tiles must be whole rows of live-grid tiles")
-        for name in ("backward_embeddings", "backward_classifier"):
-            config = getattr(self, name)
-            if grid.block_tokens % config.block_tokens or grid.block_vocab % config.block_vocab:
-                raise ValueError(f"{name} blocks must divide the live-tile grid")
+        config = self.backward_classifier
+        if grid.block_tokens % config.block_tokens or grid.block_vocab % config.block_vocab:
+            raise ValueError("backward_classifier blocks must divide the live-tile grid")
 
 
 _INTERPRETER = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=32),
     lse_forward=KernelConfig(block_tokens=32, block_vocab=256, block_dim=32),
-    live_grid=KernelConfig(block_tokens=32, block_vocab=128, block_dim=0),
-    backward_embeddings=KernelConfig(block_tokens=32, block_vocab=128, block_dim=32,
-                                     block_out=64),
+    live_grid=KernelConfig(block_tokens=32, block_vocab=128),
+    gradient_tiles=KernelConfig(block_dim=32),
+    sparse_tile_matmul=KernelConfig(block_out=64),
     backward_classifier=KernelConfig(block_tokens=32, block_vocab=64, block_dim=32,
                                      block_out=64),
 )
@@ -62,18 +66,19 @@ _GPU_16BIT = KernelConfigs(
     # 128 x 256 forward tiles: 20% faster than 128 x 128 on an H200 (NOTES.md).
     lse_forward=KernelConfig(block_tokens=128, block_vocab=256, block_dim=64, num_warps=8,
                              num_stages=3),
-    live_grid=KernelConfig(block_tokens=128, block_vocab=128, block_dim=0),
-    backward_embeddings=KernelConfig(block_tokens=64, block_vocab=128, block_dim=64,
-                                     block_out=256, num_warps=8, num_stages=3),
+    live_grid=KernelConfig(block_tokens=128, block_vocab=128),
+    gradient_tiles=KernelConfig(block_dim=64, num_warps=8, num_stages=3),
+    # 256 output columns, 2 stages: 14-20% faster than 128 columns with 3 or 4 stages (NOTES.md).
+    sparse_tile_matmul=KernelConfig(block_out=256, num_warps=8, num_stages=2),
     backward_classifier=KernelConfig(block_tokens=128, block_vocab=64, block_dim=64,
                                      block_out=256, num_warps=8, num_stages=3),
 )
 _GPU_32BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=64),
     lse_forward=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32),
-    live_grid=KernelConfig(block_tokens=64, block_vocab=64, block_dim=0),
-    backward_embeddings=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32,
-                                     block_out=64),
+    live_grid=KernelConfig(block_tokens=64, block_vocab=64),
+    gradient_tiles=KernelConfig(block_dim=32),
+    sparse_tile_matmul=KernelConfig(block_out=64),
     backward_classifier=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32,
                                      block_out=64),
 )
@@ -101,6 +106,35 @@ def forward_vocab_splits(num_token_blocks: int, num_vocab_blocks: int,
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     wanted = -(-_FORWARD_PROGRAMS_PER_SM * sm_count // num_token_blocks)  # ceiling division
     return max(1, min(num_vocab_blocks, wanted))
+
+
+# Split a product's lists among more programs while it has fewer than this many per SM, within
+# a memory budget for the float32 partial sums (part of the backward's 16 MB of slack).
+_PRODUCT_PROGRAMS_PER_SM = 2
+_PARTIAL_SUM_BYTES = 8 * 2**20
+
+
+def split_count(programs: int, bytes_per_split: int, device: torch.device) -> int:
+    """How many programs share each output block of a backward product (split-K)."""
+    if interpreting():
+        return 2 if programs < 4 else 1  # still exercises the partial sums
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = _PRODUCT_PROGRAMS_PER_SM * sm_count // programs
+    return max(1, min(wanted, _PARTIAL_SUM_BYTES // bytes_per_split))
+
+
+# Pass 2 of the backward stores its chunks in the free rows of dC; below this many vocabulary
+# blocks a chunk no longer fills the GPU, and the owner kernel takes the rest of the vocabulary.
+_MIN_CHUNK_VOCAB_BLOCKS = 16
+# Pass 1 stores its chunks in dC's memory; without dC (or with too little of it) it gets a buffer
+# of its own, of about this size.
+DEDICATED_SCRATCH_BYTES = 64 * 2**20
+
+
+def min_chunk_vocab_blocks() -> int:
+    if interpreting():
+        return 1  # the tests' small vocabularies still go through the chunked pass
+    return _MIN_CHUNK_VOCAB_BLOCKS
 
 
 def dot_precision(dtype: torch.dtype) -> str:

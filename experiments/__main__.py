@@ -1,4 +1,4 @@
-"""``python -m experiments [--quick] [--out results] [--only NAME]``: run the benchmarks.
+"""``python -m experiments [--quick] [--out results] [--only NAME ...]``: run the benchmarks.
 
 Exits 1 when any experiment recorded a failing row, so that a broken implementation cannot
 pass for a finished benchmark.
@@ -23,8 +23,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "CUDA device is available)")
     parser.add_argument("--out", type=Path, default=Path("results"),
                         help="folder for <name>.json and <name>.md (default: results)")
-    parser.add_argument("--only", choices=list(EXPERIMENTS), metavar="NAME",
-                        help=f"run one experiment: {', '.join(EXPERIMENTS)}")
+    parser.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), metavar="NAME",
+                        help="run these experiments, in this order, in one process (so that "
+                             f"they share measurements and loaded models): {', '.join(EXPERIMENTS)}")
     args = parser.parse_args(argv)
 
     # Imported after argument parsing so that --help answers without loading torch.
@@ -35,7 +36,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("No CUDA device: running in --quick mode (CPU timings, Triton interpreter).",
               file=sys.stderr)
 
-    names = [args.only] if args.only else list(EXPERIMENTS)
+    names = args.only or list(EXPERIMENTS)
     reports, errors = [], []
     for name in progress(names, "experiments"):
         start_s = time.perf_counter()

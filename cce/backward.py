@@ -1,0 +1,129 @@
+"""Backward (paper Alg. 3): dE and dC from logit-gradient tiles recomputed once per pass.
+
+Two passes over the tile grid, each in chunks. A chunk's surviving tiles of ``G`` (the gradient
+of the logits) are recomputed once and stored (:mod:`cce.gradient_tiles`), then multiplied by
+block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
+
+1. dE, chunks of token blocks x the whole vocabulary: ``dE[chunk] = G[chunk] C``. The chunk is
+   stored in dC's memory, which is not written yet, so a chunk holds about D tokens.
+2. dC, chunks of vocabulary blocks x all tokens: ``dC[chunk] = G[:, chunk]^T E``. The chunk is
+   stored in the rows of dC that are still free (those of later vocabulary positions), so the
+   chunks shrink as dC fills up; when they would become too small to fill the GPU, the rest of
+   the vocabulary goes to an owner kernel that needs no storage (:mod:`cce.backward_classifier`).
+   With vocabulary sorting, the rest is the least likely vocabulary, where most tiles are dead.
+
+Peak memory is dE + dC + a few MB of tables and partial sums; every gradient is accumulated in
+float32 on-chip and written once, without atomics, so the result is deterministic. Tiles that the
+forward's maxima prove negligible (``live_tiles``) are never recomputed; pass 1 records which
+tiles survive the exact filter, so pass 2 only recomputes those.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from cce.backward_classifier import backward_classifier
+from cce.config import DEDICATED_SCRATCH_BYTES, kernel_configs, min_chunk_vocab_blocks
+from cce.gradient_tiles import gradient_tiles
+from cce.scratch import Scratch, rows_can_hold_segments
+from cce.sparse_tile_matmul import gradient_times_classifier, gradient_times_embeddings
+
+
+def linear_cross_entropy_backward(
+    e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, bias: Optional[torch.Tensor],
+    softcap: Optional[float], lse: torch.Tensor, prob_scale: torch.Tensor,
+    target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
+    live_tiles: Optional[torch.Tensor], filter_eps: Optional[float], needs_grad_e: bool,
+    needs_grad_c: bool,
+) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
+    """(dE, dC, dbias), each None when not needed. ``live_tiles``: the live-grid table of tiles
+    that may hold a significant entry (None: every tile may)."""
+    num_tokens, dim = e.shape
+    vocab_size = c.shape[0]
+    grid = kernel_configs(e.dtype).live_grid
+    num_token_blocks = triton.cdiv(num_tokens, grid.block_tokens)
+    num_vocab_blocks = triton.cdiv(vocab_size, grid.block_vocab)
+    # Written by every recompute; 1 where the tile survived the filter and was stored.
+    flags = torch.zeros((num_token_blocks, num_vocab_blocks), dtype=torch.int32, device=e.device)
+    grad_c = (torch.empty((vocab_size, dim), dtype=c.dtype, device=c.device)
+              if needs_grad_c else None)
+    grad_bias = torch.empty_like(bias) if needs_grad_c and bias is not None else None
+
+    def recompute(scratch: Scratch, token_blocks: range, vocab_blocks: range,
+                  skippable: Optional[torch.Tensor]) -> None:
+        gradient_tiles(e, c, targets, bias, softcap, lse, prob_scale, target_scale, vocab_order,
+                       skippable, filter_eps, flags, scratch, token_blocks, vocab_blocks)
+
+    grad_e = None
+    if needs_grad_e:
+        grad_e = torch.empty((num_tokens, dim), dtype=e.dtype, device=e.device)
+        scratch = _embeddings_pass_scratch(grad_c, e, num_vocab_blocks, grid.block_tokens,
+                                           grid.block_vocab)
+        row_segments = grid.block_tokens * num_vocab_blocks  # one token block, every vocab block
+        chunk = min(num_token_blocks, scratch.segments // row_segments)
+        for first in range(0, num_token_blocks, chunk):
+            token_blocks = range(first, min(first + chunk, num_token_blocks))
+            recompute(scratch, token_blocks, range(num_vocab_blocks), live_tiles)
+            gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e, token_blocks)
+        del scratch
+
+    if needs_grad_c:
+        # Pass 1 filtered every tile exactly: its flags skip more than the forward's bound.
+        skippable = flags if needs_grad_e else live_tiles
+        first = 0
+        if rows_can_hold_segments(grad_c, grid.block_vocab):
+            # Vocabulary positions -> rows of dC: the free rows are those of later positions.
+            position_rows = (vocab_order if vocab_order is not None else
+                             torch.arange(vocab_size, dtype=torch.int32, device=c.device))
+            while True:
+                width = _classifier_chunk_width(first, num_tokens, vocab_size, dim,
+                                                grid.block_vocab, num_vocab_blocks)
+                if width < min_chunk_vocab_blocks():
+                    break
+                vocab_blocks = range(first, first + width)
+                free_rows = position_rows[vocab_blocks.stop * grid.block_vocab:]
+                scratch = Scratch.in_rows(grad_c, free_rows, grid.block_vocab)
+                recompute(scratch, range(num_token_blocks), vocab_blocks, skippable)
+                gradient_times_classifier(scratch, flags, e, vocab_order, grad_c, grad_bias,
+                                          vocab_blocks)
+                first = vocab_blocks.stop
+        if first < num_vocab_blocks:
+            backward_classifier(e, c, targets, bias, softcap, lse, prob_scale, target_scale,
+                                vocab_order, skippable, filter_eps, grad_c, grad_bias,
+                                first * grid.block_vocab)
+    return grad_e, grad_c, grad_bias
+
+
+def _embeddings_pass_scratch(grad_c: Optional[torch.Tensor], e: torch.Tensor,
+                             num_vocab_blocks: int, block_tokens: int,
+                             block_vocab: int) -> Scratch:
+    """dC's memory when it can hold at least one token block of tiles, else a buffer of its own
+    (dC not needed, or too small)."""
+    row_segments = block_tokens * num_vocab_blocks
+    if grad_c is not None and rows_can_hold_segments(grad_c, block_vocab):
+        rows = torch.arange(grad_c.shape[0], dtype=torch.int32, device=grad_c.device)
+        scratch = Scratch.in_rows(grad_c, rows, block_vocab)
+        if scratch.segments >= row_segments:
+            return scratch
+    segments = max(row_segments,
+                   DEDICATED_SCRATCH_BYTES // (block_vocab * e.element_size()) // row_segments
+                   * row_segments)
+    segments = min(segments, triton.cdiv(e.shape[0], block_tokens) * row_segments)
+    return Scratch.dedicated(segments, block_vocab, e.dtype, e.device)
+
+
+def _classifier_chunk_width(first: int, num_tokens: int, vocab_size: int, dim: int,
+                            block_vocab: int, num_vocab_blocks: int) -> int:
+    """The most vocabulary blocks from ``first`` on whose tiles (all tokens) fit in the rows of
+    dC after them: num_tokens * width segments in (vocab_size - end) * dim / block_vocab."""
+    segments_per_row = dim // block_vocab
+    width = (vocab_size - first * block_vocab) * segments_per_row // (
+        num_tokens + segments_per_row * block_vocab)
+    width = min(width, num_vocab_blocks - first)
+    while width > 0 and (num_tokens * width
+                         > (vocab_size - (first + width) * block_vocab) * segments_per_row):
+        width -= 1
+    return max(width, 0)

@@ -1,0 +1,96 @@
+"""Backward, step 1 (paper Alg. 3, recompute): the logit-gradient tiles of one chunk, written once.
+
+One program per (token block x vocabulary block) tile of the live grid inside a chunk. Tiles
+that the forward's maxima prove negligible are skipped without a recompute; the others are
+recomputed on-chip (one N x V x D product's worth of work for the whole chunk), filtered exactly
+(gradient filtering: every entry below ``filter_eps``) and, when they survive, stored in the
+chunk's scratch (:mod:`cce.scratch`) in the input dtype. ``flags`` records which tiles were
+stored, so that the products that follow read only those.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from cce.config import dot_precision, kernel_configs
+from cce.logit_tile import logit_gradient_tile, round_to, vocab_block_entries
+from cce.scratch import Scratch, segment_offsets
+
+
+@triton.jit
+def gradient_tiles_kernel(
+    e_ptr, c_ptr, bias_ptr, targets_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
+    vocab_order_ptr, live_tiles_ptr, flags_ptr, scratch_ptr, pages_ptr,
+    num_tokens, vocab_size, dim, num_vocab_blocks,
+    first_token_block, first_vocab_block, chunk_token_blocks, chunk_vocab_blocks,
+    segments_per_page, page_stride,
+    stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
+    SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Token blocks vary fastest: the programs in flight share their tiles of c.
+    chunk_token_block = tl.program_id(0) % chunk_token_blocks
+    chunk_vocab_block = tl.program_id(0) // chunk_token_blocks
+    token_block = first_token_block + chunk_token_block
+    vocab_block = first_vocab_block + chunk_vocab_block
+    flag_ptr = flags_ptr + token_block * num_vocab_blocks + vocab_block
+
+    live = True
+    if SKIP_DEAD_TILES:
+        live = tl.load(live_tiles_ptr + token_block * num_vocab_blocks + vocab_block) != 0
+    if live:
+        rows = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        row_mask = rows < num_tokens
+        vocab, vocab_mask = vocab_block_entries(
+            vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
+        grad, keep = logit_gradient_tile(
+            e_ptr, c_ptr, bias_ptr, targets_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
+            rows, row_mask, vocab, vocab_mask, dim,
+            stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
+            HAS_BIAS, HAS_SOFTCAP, FILTER, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
+        )
+        if keep:
+            chunk_rows = chunk_token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+            offsets = segment_offsets(pages_ptr, chunk_rows, row_mask, chunk_vocab_block,
+                                      chunk_vocab_blocks, segments_per_page, page_stride,
+                                      BLOCK_VOCAB)
+            tl.store(scratch_ptr + offsets, round_to(grad, scratch_ptr.dtype.element_ty,
+                                                     DOT_PRECISION), mask=row_mask[:, None])
+            tl.store(flag_ptr, 1)
+        else:
+            tl.store(flag_ptr, 0)
+    else:
+        tl.store(flag_ptr, 0)
+
+
+def gradient_tiles(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                   bias: Optional[torch.Tensor], softcap: Optional[float], lse: torch.Tensor,
+                   prob_scale: torch.Tensor, target_scale: torch.Tensor,
+                   vocab_order: Optional[torch.Tensor], live_tiles: Optional[torch.Tensor],
+                   filter_eps: Optional[float], flags: torch.Tensor, scratch: Scratch,
+                   token_blocks: range, vocab_blocks: range) -> None:
+    """Store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks) in
+    ``scratch`` and set their ``flags`` (int32, one per live-grid tile: 1 = stored)."""
+    num_tokens, dim = e.shape
+    configs = kernel_configs(e.dtype)
+    grid, config = configs.live_grid, configs.gradient_tiles
+    gradient_tiles_kernel[(len(token_blocks) * len(vocab_blocks),)](
+        e, c, bias, targets, lse, prob_scale, target_scale, vocab_order, live_tiles, flags,
+        scratch.buffer, scratch.pages,
+        num_tokens, c.shape[0], dim, flags.shape[1],
+        token_blocks.start, vocab_blocks.start, len(token_blocks), len(vocab_blocks),
+        scratch.segments_per_page, scratch.page_stride,
+        e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0, filter_eps or 0.0,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+        FILTER=filter_eps is not None, SORTED=vocab_order is not None,
+        SKIP_DEAD_TILES=live_tiles is not None,
+        BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
+        BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

@@ -1,0 +1,64 @@
+"""Where the backward keeps logit-gradient tiles between computing them and using them.
+
+The backward computes each tile of ``G`` (the gradient of the logits) once per pass, stores it,
+and two block-sparse products read it back: ``dE = G C`` and ``dC = G^T E``. Storing all of
+``G`` would cost the N x V matrix that CCE exists to avoid, so each pass works on a chunk of it,
+and the chunk lives in memory the backward owns anyway: rows of dC that are not written yet.
+
+A chunk is stored as *segments*: the BLOCK_VOCAB entries of one token row in one vocabulary
+block. Segment ``s = row * chunk_vocab_blocks + vocab_block`` goes to page ``pages[s //
+segments_per_page]`` at slot ``s % segments_per_page``; a page is ``page_stride`` elements. With
+pages = rows of dC (``segments_per_page = D / BLOCK_VOCAB``), the pages can be any rows, in any
+order: the dC pass writes dC through the vocabulary order, so the rows still free are scattered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def segment_offsets(pages_ptr, rows, row_mask, vocab_block, chunk_vocab_blocks,
+                    segments_per_page, page_stride, BLOCK_VOCAB: tl.constexpr):
+    """Element offsets of the (rows x BLOCK_VOCAB) piece of one vocabulary block of a chunk;
+    ``rows`` are token rows within the chunk."""
+    segment = rows.to(tl.int64) * chunk_vocab_blocks + vocab_block
+    page = tl.load(pages_ptr + segment // segments_per_page, mask=row_mask, other=0)
+    start = page.to(tl.int64) * page_stride + (segment % segments_per_page) * BLOCK_VOCAB
+    return start[:, None] + tl.arange(0, BLOCK_VOCAB)[None, :]
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """Storage for chunks of G: ``buffer`` (flat), its ``pages`` and their layout."""
+
+    buffer: torch.Tensor
+    pages: torch.Tensor  # int32 page indices, in the order segments fill them
+    segments_per_page: int
+    page_stride: int
+
+    @property
+    def segments(self) -> int:
+        return self.pages.shape[0] * self.segments_per_page
+
+    @staticmethod
+    def in_rows(matrix: torch.Tensor, rows: torch.Tensor, block_vocab: int) -> "Scratch":
+        """Pages = the given rows of ``matrix`` (e.g. rows of dC not written yet)."""
+        return Scratch(matrix.view(-1), rows, matrix.shape[1] // block_vocab, matrix.shape[1])
+
+    @staticmethod
+    def dedicated(segments: int, block_vocab: int, dtype: torch.dtype,
+                  device: torch.device) -> "Scratch":
+        """A buffer of its own, one segment per page."""
+        buffer = torch.empty(segments * block_vocab, dtype=dtype, device=device)
+        pages = torch.arange(segments, dtype=torch.int32, device=device)
+        return Scratch(buffer, pages, 1, block_vocab)
+
+
+def rows_can_hold_segments(matrix: torch.Tensor, block_vocab: int) -> bool:
+    """Rows of ``matrix`` are whole pages when they are a whole number of segments."""
+    return matrix.shape[1] % block_vocab == 0 and matrix.is_contiguous()

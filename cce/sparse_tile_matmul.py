@@ -1,0 +1,167 @@
+"""Backward, step 2 (paper Alg. 3, the two products): ``dE = G C`` and ``dC = G^T E``, reading
+the stored logit-gradient tiles of one chunk and skipping the filtered ones.
+
+Each program owns one block of output rows (a block of the live grid) and BLOCK_OUT columns,
+and accumulates in float32 registers the products of the live tiles of its row of the grid,
+found in a list (``live_lists``: grid blocks with a stored tile first, ``live_counts`` of them).
+Walking a list instead of testing every tile keeps the loop free of branches, so Triton can
+pipeline its loads. The output is written once, in its dtype: no atomics, deterministic. When
+the output has too few blocks to fill the GPU, each list is split among SPLITS programs that
+write float32 partial sums, added up afterwards (dE only).
+
+- dE (TRANSPOSED=False): output rows are the chunk's tokens; the list walks vocabulary blocks;
+  the second operand is rows of c, through the vocabulary order.
+- dC (TRANSPOSED=True): output rows are vocabulary positions, written through the order; the
+  list walks token blocks; the first operand is the transposed tile, the second rows of e. The
+  bias gradient (column sums of G) comes along.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from cce.config import dot_precision, kernel_configs, split_count
+from cce.logit_tile import round_to, tile_dot, vocab_block_entries
+from cce.scratch import Scratch, segment_offsets
+
+
+@triton.jit
+def sparse_tile_matmul_kernel(
+    scratch_ptr, pages_ptr, live_lists_ptr, live_counts_ptr, operand_ptr, vocab_order_ptr,
+    out_ptr, partial_ptr, grad_bias_ptr,
+    num_tokens, vocab_size, dim, chunk_vocab_blocks, segments_per_page, page_stride,
+    first_block, num_out_blocks, list_stride, stride_operand_row, stride_operand_dim,
+    TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
+    BLOCK_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Output blocks vary fastest: the programs in flight walk the same operand rows together.
+    num_out_chunks = tl.cdiv(dim, BLOCK_OUT)
+    out_block = tl.program_id(0) % num_out_blocks
+    out_chunk = (tl.program_id(0) // num_out_blocks) % num_out_chunks
+    split = tl.program_id(0) // (num_out_blocks * num_out_chunks)
+    out_dims = out_chunk * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    out_mask = out_dims < dim
+    count = tl.load(live_counts_ptr + out_block)
+    list_start = split * count // SPLITS
+    list_end = (split + 1) * count // SPLITS
+    BLOCK_ROWS: tl.constexpr = BLOCK_VOCAB if TRANSPOSED else BLOCK_TOKENS
+
+    if TRANSPOSED:
+        vocab, row_mask = vocab_block_entries(
+            vocab_order_ptr, first_block + out_block, vocab_size, BLOCK_VOCAB, SORTED)
+        out_rows = vocab
+    else:
+        chunk_rows = out_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        out_rows = first_block * BLOCK_TOKENS + chunk_rows
+        row_mask = out_rows < num_tokens
+
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
+    grad_bias = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    for position in range(list_start, list_end):
+        other_block = tl.load(live_lists_ptr + out_block * list_stride + position)
+        if TRANSPOSED:
+            token_rows = other_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+            token_mask = token_rows < num_tokens
+            offsets = segment_offsets(pages_ptr, token_rows, token_mask, out_block,
+                                      chunk_vocab_blocks, segments_per_page, page_stride,
+                                      BLOCK_VOCAB)
+            operand_a = tl.trans(tl.load(scratch_ptr + offsets, mask=token_mask[:, None],
+                                         other=0.0))
+            operand_b = tl.load(
+                operand_ptr + token_rows.to(tl.int64)[:, None] * stride_operand_row
+                + out_dims[None, :] * stride_operand_dim,
+                mask=token_mask[:, None] & out_mask[None, :], other=0.0)
+            if HAS_BIAS:
+                grad_bias += tl.sum(operand_a.to(tl.float32), axis=1)
+        else:
+            offsets = segment_offsets(pages_ptr, chunk_rows, row_mask, other_block,
+                                      chunk_vocab_blocks, segments_per_page, page_stride,
+                                      BLOCK_VOCAB)
+            operand_a = tl.load(scratch_ptr + offsets, mask=row_mask[:, None], other=0.0)
+            vocab, vocab_mask = vocab_block_entries(
+                vocab_order_ptr, other_block, vocab_size, BLOCK_VOCAB, SORTED)
+            operand_b = tl.load(
+                operand_ptr + vocab.to(tl.int64)[:, None] * stride_operand_row
+                + out_dims[None, :] * stride_operand_dim,
+                mask=vocab_mask[:, None] & out_mask[None, :], other=0.0)
+        acc = tile_dot(operand_a, operand_b, acc, DOT_PRECISION)
+
+    if SPLITS == 1:
+        tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * dim + out_dims[None, :],
+                 round_to(acc, out_ptr.dtype.element_ty, DOT_PRECISION),
+                 mask=row_mask[:, None] & out_mask[None, :])
+    else:
+        partial_rows = (split * num_out_blocks + out_block) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        tl.store(partial_ptr + partial_rows.to(tl.int64)[:, None] * dim + out_dims[None, :], acc,
+                 mask=out_mask[None, :])
+    if HAS_BIAS:
+        if out_chunk == 0:
+            tl.store(grad_bias_ptr + out_rows,
+                     round_to(grad_bias, grad_bias_ptr.dtype.element_ty, DOT_PRECISION),
+                     mask=row_mask)
+
+
+def live_lists(flags: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Per row of ``flags`` (int32, 1 = stored tile): the column indices with a stored tile
+    first (int32, contiguous), and how many there are."""
+    counts = flags.sum(dim=1, dtype=torch.int32)
+    lists = torch.argsort(flags, dim=1, descending=True, stable=True)
+    return lists.to(torch.int32, memory_format=torch.contiguous_format), counts
+
+
+def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Tensor,
+                              vocab_order: Optional[torch.Tensor], grad_e: torch.Tensor,
+                              token_blocks: range) -> None:
+    """``grad_e[rows of token_blocks] = G @ c`` for a chunk of whole rows of the tile grid."""
+    lists, counts = live_lists(flags[token_blocks.start:token_blocks.stop])
+    _launch(scratch, lists, counts, c, vocab_order, grad_e, None, token_blocks.start,
+            flags.shape[1], transposed=False)
+
+
+def gradient_times_classifier(scratch: Scratch, flags: torch.Tensor, e: torch.Tensor,
+                              vocab_order: Optional[torch.Tensor], grad_c: torch.Tensor,
+                              grad_bias: Optional[torch.Tensor], vocab_blocks: range) -> None:
+    """``grad_c[rows of vocab_blocks] = G^T @ e`` (and the bias gradient) for a chunk of whole
+    columns of the tile grid."""
+    chunk_flags = flags[:, vocab_blocks.start:vocab_blocks.stop].T
+    lists, counts = live_lists(chunk_flags)
+    _launch(scratch, lists, counts, e, vocab_order, grad_c, grad_bias, vocab_blocks.start,
+            len(vocab_blocks), transposed=True)
+
+
+def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor, operand: torch.Tensor,
+            vocab_order: Optional[torch.Tensor], out: torch.Tensor,
+            grad_bias: Optional[torch.Tensor], first_block: int, chunk_vocab_blocks: int,
+            transposed: bool) -> None:
+    configs = kernel_configs(operand.dtype)
+    grid, config = configs.live_grid, configs.sparse_tile_matmul
+    dim = operand.shape[1]
+    block_out = min(config.block_out, triton.next_power_of_2(dim))
+    num_out_blocks = lists.shape[0]
+    programs = num_out_blocks * triton.cdiv(dim, block_out)
+    rows = num_out_blocks * grid.block_tokens
+    splits = 1 if transposed else split_count(programs, rows * dim * 4, out.device)
+    partial = None
+    if splits > 1:
+        partial = torch.empty((splits, rows, dim), dtype=torch.float32, device=out.device)
+    num_tokens = out.shape[0] if not transposed else operand.shape[0]
+    vocab_size = out.shape[0] if transposed else operand.shape[0]
+    sparse_tile_matmul_kernel[(programs * splits,)](
+        scratch.buffer, scratch.pages, lists, counts, operand, vocab_order, out, partial,
+        grad_bias, num_tokens, vocab_size, dim, chunk_vocab_blocks,
+        scratch.segments_per_page, scratch.page_stride, first_block, num_out_blocks,
+        lists.stride(0), operand.stride(0), operand.stride(1),
+        TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
+        SPLITS=splits, BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
+        BLOCK_OUT=block_out, DOT_PRECISION=dot_precision(operand.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if partial is not None:
+        first_row = first_block * grid.block_tokens
+        rows = min(rows, num_tokens - first_row)
+        out[first_row:first_row + rows] = partial.sum(dim=0)[:rows].to(out.dtype)

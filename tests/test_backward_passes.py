@@ -1,0 +1,113 @@
+"""The backward's two chunked passes (cce.backward), exercised where they take every branch.
+
+With D a multiple of the vocabulary block, pass 1 (dE) stores its chunks of logit gradients in
+dC's memory and pass 2 (dC) in the rows of dC that are still free, with chunks that shrink as dC
+fills up, and an owner kernel for the end of the vocabulary. The shapes below, derived from the
+tile grid of the dtype, make each pass take several chunks and leave a tail for the owner
+kernel; the gradients must match the float64 reference whatever the path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+import cce.backward
+from cce.config import kernel_configs
+from tests.helpers import check, make_grad_output, make_inputs, run, run_reference
+from tests.reference import relative_error
+
+N = 261
+
+
+def _shape(dtype: torch.dtype) -> "tuple[int, int]":
+    """(V, D): nine vocabulary blocks (the last one partial) and two segments per row of dC."""
+    block = kernel_configs(dtype).live_grid.block_vocab
+    return 9 * block - 30, 2 * block
+
+
+@pytest.fixture(autouse=True)
+def chunks_of_any_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, chunks narrower than min_chunk_vocab_blocks() go to the owner kernel; these
+    small vocabularies must still take the chunked path."""
+    monkeypatch.setattr(cce.backward, "min_chunk_vocab_blocks", lambda: 1)
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list:
+    """Record the calls of ``cce.backward.<name>`` (still calling it)."""
+    calls = []
+    original = getattr(cce.backward, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cce.backward, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("vocab_sorting", [True, False], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("filter_eps", ["auto", None], ids=["filter", "nofilter"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional[str],
+                                        vocab_sorting: bool, device: str,
+                                        gen: torch.Generator,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several dE chunks, several shrinking dC chunks and an owner-kernel tail, all exact."""
+    embeddings_chunks = _spy(monkeypatch, "gradient_times_embeddings")
+    classifier_chunks = _spy(monkeypatch, "gradient_times_classifier")
+    tail = _spy(monkeypatch, "backward_classifier")
+    vocab, dim = _shape(dtype)
+    inputs = make_inputs(gen, device, dtype, shape=(N,), vocab=vocab, dim=dim, bias=True,
+                         softcap=20.0)
+    check("cce", inputs, gen, "mean", filter_eps=filter_eps, vocab_sorting=vocab_sorting)
+    assert len(embeddings_chunks) >= 2
+    assert len(classifier_chunks) >= 2
+    assert len(tail) == 1
+
+
+def test_classifier_chunks_fit_in_the_free_rows_of_dc() -> None:
+    """Each dC chunk is the widest whose tiles (all tokens) fit in the rows of later positions."""
+    block = kernel_configs(torch.float32).live_grid.block_vocab
+    vocab, dim = _shape(torch.float32)
+    num_vocab_blocks = -(-vocab // block)
+    segments_per_row = dim // block
+
+    def fits(first: int, width: int) -> bool:
+        return N * width <= (vocab - (first + width) * block) * segments_per_row
+
+    first = 0
+    widths = []
+    while (width := cce.backward._classifier_chunk_width(first, N, vocab, dim, block,
+                                                         num_vocab_blocks)) > 0:
+        assert fits(first, width) and not fits(first, width + 1)
+        widths.append(width)
+        first += width
+    assert widths == sorted(widths, reverse=True) and len(widths) >= 2
+    assert first < num_vocab_blocks  # the rest goes to the owner kernel
+
+
+@pytest.mark.parametrize("frozen", ["e", "c"])
+def test_one_frozen_input(frozen: str, device: str, gen: torch.Generator) -> None:
+    """Only the gradient asked for is computed; without dC, pass 1 gets a buffer of its own."""
+    vocab, dim = _shape(torch.float32)
+    inputs = make_inputs(gen, device, torch.float32, shape=(N,), vocab=vocab, dim=dim)
+    grad_output = make_grad_output(gen, inputs, "sum")
+    expected = run_reference(inputs, grad_output, reduction="sum")
+    e = inputs.e.detach().requires_grad_(frozen != "e")
+    c = inputs.c.detach().requires_grad_(frozen != "c")
+    loss = cce.linear_cross_entropy(e, c, inputs.targets, reduction="sum")
+    (gradient,) = torch.autograd.grad(loss * grad_output, [c if frozen == "e" else e])
+    assert relative_error(gradient, expected.grad_c if frozen == "e" else expected.grad_e) < 1e-5
+
+
+def test_backward_is_deterministic(device: str, gen: torch.Generator) -> None:
+    """No atomics: two backward passes give bit-identical gradients."""
+    vocab, dim = _shape(torch.bfloat16)
+    inputs = make_inputs(gen, device, torch.bfloat16, shape=(N,), vocab=vocab, dim=dim)
+    grad_output = make_grad_output(gen, inputs, "mean")
+    first = run("cce", inputs, grad_output)
+    second = run("cce", inputs, grad_output)
+    assert torch.equal(first.grad_e, second.grad_e) and torch.equal(first.grad_c, second.grad_c)
