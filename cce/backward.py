@@ -26,10 +26,12 @@ import torch
 import triton
 
 from cce.backward_classifier import backward_classifier
-from cce.config import DEDICATED_SCRATCH_BYTES, kernel_configs, min_chunk_vocab_blocks
+from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, min_chunk_vocab_blocks,
+                        whole_waves)
 from cce.gradient_tiles import gradient_tiles
 from cce.scratch import Scratch, rows_can_hold_segments
-from cce.sparse_tile_matmul import gradient_times_classifier, gradient_times_embeddings
+from cce.sparse_tile_matmul import (gradient_times_classifier, gradient_times_embeddings,
+                                    product_programs_per_block)
 
 
 def linear_cross_entropy_backward(
@@ -63,7 +65,8 @@ def linear_cross_entropy_backward(
         scratch = _embeddings_pass_scratch(grad_c, e, num_vocab_blocks, grid.block_tokens,
                                            grid.block_vocab)
         row_segments = grid.block_tokens * num_vocab_blocks  # one token block, every vocab block
-        chunk = min(num_token_blocks, scratch.segments // row_segments)
+        chunk = whole_waves(min(num_token_blocks, scratch.segments // row_segments),
+                            product_programs_per_block(dim, e.dtype), e.device)
         for first in range(0, num_token_blocks, chunk):
             token_blocks = range(first, min(first + chunk, num_token_blocks))
             recompute(scratch, token_blocks, range(num_vocab_blocks), live_tiles)

@@ -137,6 +137,16 @@ def min_chunk_vocab_blocks() -> int:
     return _MIN_CHUNK_VOCAB_BLOCKS
 
 
+def whole_waves(blocks: int, programs_per_block: int, device: torch.device) -> int:
+    """At most ``blocks`` output blocks, as many as fill whole waves of programs over the SMs
+    when there is more than one wave (a last, partial wave runs at a fraction of the GPU)."""
+    if interpreting():
+        return blocks
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    waves = blocks * programs_per_block // sm_count
+    return max(1, waves * sm_count // programs_per_block) if waves else blocks
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """How tl.dot multiplies: exact fp32 products for fp32 inputs (tf32 would cost ~1e-3
     relative error); "upcast" works around the interpreter's bfloat16 dot."""

@@ -134,6 +134,12 @@ def gradient_times_classifier(scratch: Scratch, flags: torch.Tensor, e: torch.Te
             len(vocab_blocks), transposed=True)
 
 
+def product_programs_per_block(dim: int, dtype: torch.dtype) -> int:
+    """Programs per output block of rows: one per BLOCK_OUT columns."""
+    block_out = kernel_configs(dtype).sparse_tile_matmul.block_out
+    return triton.cdiv(dim, min(block_out, triton.next_power_of_2(dim)))
+
+
 def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor, operand: torch.Tensor,
             vocab_order: Optional[torch.Tensor], out: torch.Tensor,
             grad_bias: Optional[torch.Tensor], first_block: int, chunk_vocab_blocks: int,
@@ -143,7 +149,7 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor, operand
     dim = operand.shape[1]
     block_out = min(config.block_out, triton.next_power_of_2(dim))
     num_out_blocks = lists.shape[0]
-    programs = num_out_blocks * triton.cdiv(dim, block_out)
+    programs = num_out_blocks * product_programs_per_block(dim, operand.dtype)
     rows = num_out_blocks * grid.block_tokens
     splits = 1 if transposed else split_count(programs, rows * dim * 4, out.device)
     partial = None
