@@ -11,4 +11,7 @@ EXPERIMENTS: dict[str, str] = {
     "compare_impls": "experiments.compare_impls",
     "fig1_memory": "experiments.fig1_memory",
     "fig3_sparsity": "experiments.fig3_sparsity",
+    "table1": "experiments.table1",
+    "table_a1": "experiments.table_a1",
+    "table_a2": "experiments.table_a2",
 }

@@ -4,8 +4,8 @@ For each shape (bfloat16, N=8192 tokens): Gemma 3 270M on real Alpaca hidden sta
 tokens, then prompt tokens ignored), and the Gemma 2 2B, Llama 3 8B and Phi 3.5 mini shapes on
 synthetic inputs with a language model's softmax sparsity (:mod:`experiments.synthetic`). For
 each method: forward, backward (after an untimed forward) and forward+backward time, peak memory
-above the inputs (forward under ``torch.no_grad``, forward+backward with gradients), and the
-relative error of the loss, dE and dC against a float64 reference. One GEMM ``e @ c.T`` of the
+above the inputs (forward under ``torch.no_grad`` and with gradients, backward alone,
+forward+backward), and the relative error of the loss, dE and dC against a float64 reference. One GEMM ``e @ c.T`` of the
 same shape is the yardstick; the softmax's sparsity statistics are printed and stored per shape.
 
 Methods: ``cce`` and its ablations, the ``torch``, ``torch_compile`` and ``chunked`` baselines
@@ -14,28 +14,34 @@ Methods: ``cce`` and its ablations, the ``torch``, ``torch_compile`` and ``chunk
 ``bench.md`` (with the targets, MET or MISSED) and ``bench.png``.
 
 ``python -m experiments.bench [--quick] [--shapes ...] [--methods ...] [--out results]
-[--data alpaca.json]``; also ``python -m experiments --only bench``. Each shape takes minutes on
-a GPU (torch.compile compiles for each): run a few at a time with ``--shapes`` and separate
-``--out`` folders when a command's time is limited.
+[--data alpaca.json] [--repeats N]``; also ``python -m experiments --only bench``. Each shape
+takes minutes on a GPU (torch.compile compiles for each): run a few at a time with ``--shapes``
+and separate ``--out`` folders when a command's time is limited.
+
+:func:`measure_shape` is also what the paper's tables (:mod:`experiments.tables`) measure
+with. It remembers every (shape, method) it measured, so that experiments run in one process
+(``python -m experiments``) measure a pair once, and it loads the real model's hidden states
+once per process.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import math
 import sys
 import textwrap
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 import cce
 from experiments.compare_impls import variants
-from experiments.harness import (DEVICE, MISSING, ON_GPU, WrittenResults, float64_reference,
-                                 measure_loss, progress, time_fn, write_results)
+from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
+                                 WrittenResults, add_sections, float64_reference, measure_loss,
+                                 progress, time_fn, write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
 NAME = "bench"
@@ -43,6 +49,12 @@ DTYPE = torch.bfloat16
 MIB = 2**20
 
 Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# Targets ignored in the prompt-masked Alpaca batch (prompt tokens and sequence ends): 2131 of
+# the first 4096 tokens on Gemma 3 270M's tokenizer (fig3_sparsity's quick run, 1965 response
+# targets). Synthetic inputs that stand in for prompt-masked data ignore this fraction.
+ALPACA_IGNORED_FRACTION = 0.52
 
 
 @dataclass(frozen=True)
@@ -53,20 +65,63 @@ class Shape:
     vocab_size: int
     dim: int
     data: str  # "alpaca", "alpaca_masked" (prompt tokens ignored) or "lm_like"
+    ignored_fraction: float = 0.0  # "lm_like": targets set to ignore_index at random rows
+    # The paper's Appendix A: every loss sees only the rows whose target is not ignored.
+    ignored_removed: bool = False
+
+    def unlabelled(self) -> Shape:
+        """The shape without name and description: all that its measurements depend on."""
+        return replace(self, name="", description="")
 
 
 SHAPES: dict[str, Shape] = {shape.name: shape for shape in (
     Shape("gemma3", "Gemma 3 270M, Alpaca", 8192, 262144, 640, "alpaca"),
     Shape("gemma3_masked", "Gemma 3 270M, Alpaca, prompt ignored", 8192, 262144, 640,
           "alpaca_masked"),
+    Shape("gemma3_removed", "Gemma 3 270M, Alpaca, prompt ignored and removed", 8192, 262144,
+          640, "alpaca_masked", ignored_removed=True),
     Shape("gemma2_2b", "Gemma 2 2B shape", 8192, 256000, 2304, "lm_like"),
+    Shape("gemma2_2b_removed", "Gemma 2 2B shape, Alpaca's prompt share ignored and removed",
+          8192, 256000, 2304, "lm_like", ignored_fraction=ALPACA_IGNORED_FRACTION,
+          ignored_removed=True),
+    Shape("gemma2_9b", "Gemma 2 9B shape", 8192, 256000, 3584, "lm_like"),
+    Shape("gemma2_27b", "Gemma 2 27B shape", 8192, 256000, 4608, "lm_like"),
     Shape("llama3_8b", "Llama 3 8B shape", 8192, 128256, 4096, "lm_like"),
+    Shape("mistral_nemo", "Mistral NeMo shape", 8192, 131072, 5120, "lm_like"),
     Shape("phi3_5_mini", "Phi 3.5 mini shape", 8192, 32064, 3072, "lm_like"),
     # About 40 s for every method on a CPU, where the Triton kernels run in the interpreter.
     Shape("quick", "tiny (CPU smoke test)", 128, 2048, 64, "lm_like"),
+    Shape("quick_removed", "tiny, ignored tokens removed (CPU smoke test)", 128, 2048, 64,
+          "lm_like", ignored_fraction=ALPACA_IGNORED_FRACTION, ignored_removed=True),
 )}
 FULL_SHAPES = ("gemma3", "gemma3_masked", "gemma2_2b", "llama3_8b", "phi3_5_mini")
 QUICK_SHAPES = ("quick",)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Warm-up and timed calls of :func:`experiments.harness.time_fn` (the median is kept)."""
+
+    warmup: int
+    repeats: int
+
+
+MIN_GPU_REPEATS = 10  # a median of fewer GPU calls moves with clocks and other tenants
+
+
+def timing(repeats: Optional[int] = None) -> Timing:
+    """How to time: ``repeats`` timed calls (None: the default), warm-up on GPU only.
+
+    GPU: 5 warm-up calls and the median of 20 (at least 10). CPU: one timed call and no
+    warm-up, since the interpreter takes seconds per CCE call and the first (untimed) call of
+    :func:`experiments.harness.measure_loss` has compiled what needs compiling.
+    """
+    if repeats is None:
+        repeats = GPU_REPEATS if ON_GPU else 1
+    minimum = MIN_GPU_REPEATS if ON_GPU else 1
+    if repeats < minimum:
+        raise ValueError(f"repeats must be >= {minimum} on this device, got {repeats}")
+    return Timing(GPU_WARMUP if ON_GPU else 0, repeats)
 
 
 @dataclass(frozen=True)
@@ -104,49 +159,34 @@ METHODS: dict[str, Method] = {method.name: method for method in (
 
 
 def run(quick: bool, out_dir: Path, shapes: Optional[list[str]] = None,
-        methods: Optional[list[str]] = None, data_path: Optional[Path] = None
-        ) -> WrittenResults:
+        methods: Optional[list[str]] = None, data_path: Optional[Path] = None,
+        repeats: Optional[int] = None) -> WrittenResults:
     """The registered entry point; ``shapes`` and ``methods`` default to all of them.
 
     ``data_path``: the Alpaca JSON file for the real-data shapes (None: real_model's default).
+    ``repeats``: timed calls per median (None: :func:`timing`'s default).
     """
     shapes = list(QUICK_SHAPES if quick else FULL_SHAPES) if shapes is None else shapes
     methods = list(METHODS) if methods is None else methods
-    # The interpreter takes seconds per CCE call: on CPU one timed call, no warm-up (the
-    # accuracy call before it has compiled what needs compiling). GPU: the harness's 5 + 20.
-    timing = {} if ON_GPU else {"warmup": 0, "repeats": 1}
+    how = timing(repeats)
 
     rows: list[dict[str, Any]] = []
     shape_info: dict[str, dict[str, Any]] = {}
-    real_model: dict[str, Any] = {}  # loaded once for both real-data shapes
     for shape_name in shapes:
-        shape = SHAPES[shape_name]
-        e, c, targets, source = _inputs(shape, data_path, real_model)
-        info = _describe_inputs(shape, e, c, targets, source)
-        print(f"{shape.name}: {info['data']}; "
-              + ", ".join(f"{key}={info['sparsity'][key]:.4g}" for key in info["sparsity"]),
-              file=sys.stderr)
-        reference = float64_reference(e, c, targets)
-        info["reference_loss"] = float(reference[0])
-        info["gemm_ms"] = _time_gemm(e, c, timing)
-        shape_info[shape.name] = info
-        for method_name in progress(methods, shape.name, leave=False):
-            rows.append(_measure(METHODS[method_name], shape, e, c, targets, reference, timing))
-        del e, c, targets, reference
-        if ON_GPU:
-            torch.cuda.empty_cache()
-    del real_model
+        shape_info[shape_name], shape_rows = measure_shape(SHAPES[shape_name], methods, how,
+                                                           data_path=data_path)
+        rows += shape_rows
 
     rows = _with_ratios(rows, shape_info)
     targets_report = evaluate_targets(rows, shape_info)
     meta = {
         "dtype": str(DTYPE).removeprefix("torch."),
-        "times": ("ms, median of 20 calls after 5 warm-up calls (CUDA events)" if ON_GPU
-                  else "ms, one call (CPU smoke test)")
-                 + "; fwd with gradients enabled (a training step's forward); bwd alone after "
-                   "an untimed forward",
+        "times": f"ms, {describe_timing(how)}; fwd with gradients enabled (a training step's "
+                 "forward); bwd alone after an untimed forward",
         "memory": "peak MB allocated above what was in use before (the inputs): fwd under "
-                  "torch.no_grad, fwd_bwd with dE and dC included; GPU only",
+                  "torch.no_grad; fwd_grad with gradients enabled (state saved for the backward "
+                  "included); bwd alone, above what is in use after the forward; fwd_bwd with "
+                  "dE and dC included; GPU only",
         "ratios": "speedup_vs_compile = torch_compile fwd_bwd / fwd_bwd; *_vs_gemm = time / "
                   "one e @ c.T",
         "errors": "||x - x64|| / ||x64|| against a float64 reference computed in token "
@@ -158,6 +198,62 @@ def run(quick: bool, out_dir: Path, shapes: Optional[list[str]] = None,
     written = _add_sections(written, shape_info, targets_report)
     _plot(rows, shape_info, out_dir / f"{NAME}.png")
     return written
+
+
+def describe_timing(how: Timing) -> str:
+    if ON_GPU:
+        return (f"median of {how.repeats} calls after {how.warmup} warm-up calls (CUDA "
+                "events)")
+    return f"median of {how.repeats} call(s) (CPU smoke test)"
+
+
+# What this process has measured, for measure_shape: (shape.unlabelled(), data path, timing)
+# -> its inputs described, and that key plus a method name -> (row, measured with accuracy).
+_SHAPE_INFO: dict[tuple[Shape, Optional[Path], Timing], dict[str, Any]] = {}
+_ROWS: dict[tuple[Shape, Optional[Path], Timing, str], tuple[dict[str, Any], bool]] = {}
+
+
+def measure_shape(shape: Shape, methods: Sequence[str], how: Timing, *,
+                  accuracy: bool = True, data_path: Optional[Path] = None
+                  ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The inputs of ``shape`` described, and one row of measurements per method.
+
+    Measures only what this process has not measured yet, with the same inputs (shape sizes
+    and data, not its name) and timing: a table that shares a shape with the benchmark costs
+    nothing more. ``accuracy=False`` skips the float64 reference and the error columns, unless
+    the row was measured with them already; ``accuracy=True`` re-measures a row that was not.
+    """
+    key = (shape.unlabelled(), data_path, how)
+    missing = [name for name in methods
+               if (*key, name) not in _ROWS or (accuracy and not _ROWS[(*key, name)][1])]
+    info = _SHAPE_INFO.get(key)
+    if missing or info is None or (accuracy and "reference_loss" not in info):
+        e, c, targets, source = shape_inputs(shape, data_path)
+        if info is None:
+            info = _describe_inputs(e, c, targets, source, how)
+            print(f"{shape.name}: {info['data']}; "
+                  + ", ".join(f"{statistic}={value:.4g}"
+                              for statistic, value in info["sparsity"].items()),
+                  file=sys.stderr)
+        reference = float64_reference(e, c, targets) if accuracy else None
+        if reference is not None:
+            info["reference_loss"] = float(reference[0])
+        _SHAPE_INFO[key] = info
+        for name in progress(missing, shape.name, leave=False):
+            _ROWS[(*key, name)] = (_measure(METHODS[name], shape, e, c, targets, reference, how),
+                                   accuracy)
+        del e, c, targets, reference
+        if ON_GPU:
+            torch.cuda.empty_cache()
+    rows = [{"shape": shape.name, "method": name, **_ROWS[(*key, name)][0]} for name in methods]
+    return {"description": shape.description, **info}, rows
+
+
+def forget_measurements() -> None:
+    """Empty the memo of :func:`measure_shape` (and the cached real-model inputs)."""
+    _SHAPE_INFO.clear()
+    _ROWS.clear()
+    _alpaca_batch.cache_clear()
 
 
 @dataclass(frozen=True)
@@ -239,80 +335,124 @@ def evaluate_targets(rows: list[dict[str, Any]], shape_info: dict[str, dict[str,
     return checks
 
 
-def _inputs(shape: Shape, data_path: Optional[Path], real_model: dict[str, Any]
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+def shape_inputs(shape: Shape, data_path: Optional[Path] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
     """``(e, c, targets, data source)`` on DEVICE; real hidden states when they can be had.
 
-    ``real_model`` keeps the loaded model and tokenizer for the next real-data shape.
+    The real model runs once per process (its hidden states are kept for the next real-data
+    shape); without it, a real-data shape falls back to synthetic inputs and says so.
     """
-    if shape.data.startswith("alpaca"):
-        try:
-            # Imported here: it needs transformers, gguf and the model package.
-            from experiments.real_model import alpaca_embeddings, load_model
-            if not real_model:
-                real_model["model"], real_model["tokenizer"] = load_model(DEVICE, DTYPE)
-            e, c, targets = alpaca_embeddings(shape.n_tokens, device=DEVICE, dtype=DTYPE,
-                                              data_path=data_path,
-                                              mask_prompt=shape.data == "alpaca_masked",
-                                              **real_model)
-        except ImportError as error:
-            reason = f"real model not importable ({type(error).__name__}: {error})"
-            print(f"{shape.name}: {reason}; using synthetic LM-like inputs", file=sys.stderr)
-            e, c, targets = lm_like_inputs(shape.n_tokens, shape.vocab_size, shape.dim,
-                                           dtype=DTYPE, device=DEVICE)
-            return e, c, targets, f"synthetic LM-like: {reason}"
-        masked = ", prompt tokens ignored" if shape.data == "alpaca_masked" else ""
-        return (e.detach().requires_grad_(), c.detach().requires_grad_(), targets,
-                f"real: Gemma 3 270M final hidden states on Alpaca{masked}")
+    if not shape.data.startswith("alpaca"):
+        return (*_synthetic_inputs(shape, shape.ignored_fraction),
+                "synthetic LM-like (experiments.synthetic, calibrated)"
+                + _ignored_note(shape.ignored_fraction))
+    masked = shape.data == "alpaca_masked"
+    try:
+        batch = _alpaca_batch(shape.n_tokens, data_path)
+    except ImportError as error:
+        reason = f"real model not importable ({type(error).__name__}: {error})"
+        print(f"{shape.name}: {reason}; using synthetic LM-like inputs", file=sys.stderr)
+        ignored_fraction = ALPACA_IGNORED_FRACTION if masked else 0.0
+        return (*_synthetic_inputs(shape, ignored_fraction),
+                f"synthetic LM-like{_ignored_note(ignored_fraction)}: {reason}")
+    # As real_model.alpaca_embeddings(mask_prompt=...), from the one batch both variants share.
+    targets = torch.where(batch.response, batch.targets, IGNORE_INDEX) if masked else batch.targets
+    # New leaves: the cached batch itself never records a gradient.
+    return (batch.e.detach().requires_grad_(), batch.c.detach().requires_grad_(), targets,
+            "real: Gemma 3 270M final hidden states on Alpaca"
+            + (", prompt tokens ignored" if masked else ""))
+
+
+@functools.lru_cache(maxsize=1)
+def _alpaca_batch(n_tokens: int, data_path: Optional[Path]) -> Any:
+    """Gemma 3 270M's hidden states on Alpaca (a minute on GPU): computed once per process."""
+    # Imported here: it needs transformers, gguf and the model package.
+    from experiments.real_model import alpaca_batch
+    return alpaca_batch(n_tokens, device=DEVICE, dtype=DTYPE, data_path=data_path)
+
+
+def alpaca_ignored_fraction(n_tokens: int, data_path: Optional[Path] = None
+                            ) -> Optional[float]:
+    """Fraction of the targets that prompt masking ignores in the first ``n_tokens`` Alpaca
+    tokens (the prompts and the sequence ends); None when the real model is not importable."""
+    try:
+        batch = _alpaca_batch(n_tokens, data_path)
+    except ImportError:
+        return None
+    return 1 - float(batch.response.float().mean())
+
+
+def _synthetic_inputs(shape: Shape, ignored_fraction: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LM-like inputs of the shape's size, ``ignored_fraction`` of the rows (seeded) ignored."""
     e, c, targets = lm_like_inputs(shape.n_tokens, shape.vocab_size, shape.dim, dtype=DTYPE,
                                    device=DEVICE)
-    return e, c, targets, "synthetic LM-like (experiments.synthetic, calibrated)"
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    ignored_rows = torch.randperm(shape.n_tokens, generator=generator, device=DEVICE)
+    targets[ignored_rows[:round(ignored_fraction * shape.n_tokens)]] = IGNORE_INDEX
+    return e, c, targets
 
 
-def _describe_inputs(shape: Shape, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                     source: str) -> dict[str, Any]:
+def _ignored_note(ignored_fraction: float) -> str:
+    return f", {ignored_fraction:.0%} of targets ignored at random rows" if ignored_fraction else ""
+
+
+def remove_ignored_tokens(loss: Loss, targets: torch.Tensor) -> Loss:
+    """``loss`` on the rows whose target is not ignored only (the paper's Appendix A).
+
+    The rows to keep are found here, once, from ``targets`` (what a data loader knows before the
+    step). The returned loss gathers them from ``e`` inside autograd, so the gradient of ``e``
+    is the full (N, D) tensor that training needs, zero at ignored rows; the gather and its
+    backward are part of what a benchmark of the returned loss measures.
+    """
+    kept_rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+
+    def loss_on_kept_rows(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
+                          ) -> torch.Tensor:
+        return loss(e.index_select(0, kept_rows), c, targets.index_select(0, kept_rows))
+    return loss_on_kept_rows
+
+
+def _describe_inputs(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, source: str,
+                     how: Timing) -> dict[str, Any]:
     input_bytes = e.numel() * e.element_size() + c.numel() * c.element_size()
     return {
-        "description": shape.description,
         "n_tokens": e.shape[0], "vocab_size": c.shape[0], "dim": c.shape[1],
         "valid_tokens": int((targets >= 0).sum()),
         "data": source,
         "inputs_mb": input_bytes / MIB,
         "gradients_mb": input_bytes / MIB,  # dE and dC have the inputs' shapes and dtype
         "sparsity": sparsity_statistics(e, c, targets),
+        "gemm_ms": _time_gemm(e, c, how),
     }
 
 
-def _time_gemm(e: torch.Tensor, c: torch.Tensor, timing: dict[str, int]) -> float:
+def _time_gemm(e: torch.Tensor, c: torch.Tensor, how: Timing) -> float:
     with torch.no_grad():
-        return time_fn(lambda: e @ c.T, **timing)
+        return time_fn(lambda: e @ c.T, **asdict(how))
 
 
 def _measure(method: Method, shape: Shape, e: torch.Tensor, c: torch.Tensor,
              targets: torch.Tensor,
-             reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-             timing: dict[str, int]) -> dict[str, Any]:
-    row: dict[str, Any] = {"shape": shape.name, "method": method.name}
+             reference: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+             how: Timing) -> dict[str, Any]:
     if method.needs_cuda and not ON_GPU:
-        row["skipped"] = "needs a CUDA device"
-        return row
+        return {"skipped": "needs a CUDA device"}
     try:
         loss_fn = method.loss()
     except ImportError as error:
-        row["skipped"] = f"not installed ({error})"
-        return row
+        return {"skipped": f"not installed ({error})"}
     except Exception as error:  # installed but broken (a version clash): the others still run
-        row["error"] = f"{type(error).__name__}: {error}"
-        return row
-
-    row.update(measure_loss(loss_fn, e, c, targets, reference, timing))
-    return row
+        return {"error": f"{type(error).__name__}: {error}"}
+    if shape.ignored_removed:
+        loss_fn = remove_ignored_tokens(loss_fn, targets)
+    return measure_loss(loss_fn, e, c, targets, reference, asdict(how))
 
 
 # The result table's columns, in this order (a row has those it measured).
-COLUMNS = ("shape", "method", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_peak_mb", "fwd_bwd_peak_mb",
-           "speedup_vs_compile", "fwd_vs_gemm", "fwd_bwd_vs_gemm", "loss_rel_err", "de_rel_err",
-           "dc_rel_err", "skipped", "error")
+COLUMNS = ("shape", "method", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_peak_mb", "fwd_grad_peak_mb",
+           "bwd_peak_mb", "fwd_bwd_peak_mb", "speedup_vs_compile", "fwd_vs_gemm",
+           "fwd_bwd_vs_gemm", "loss_rel_err", "de_rel_err", "dc_rel_err", "skipped", "error")
 
 
 def _with_ratios(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]]
@@ -336,13 +476,6 @@ def _with_ratios(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any
 def _add_sections(written: WrittenResults, shape_info: dict[str, dict[str, Any]],
                   checks: list[TargetCheck]) -> WrittenResults:
     """Add the per-shape inputs and the targets to the JSON and Markdown files."""
-    results = json.loads(written.json_path.read_text())
-    results["shapes"] = shape_info
-    results["targets"] = [{"target": check.target, "shape": check.shape, "value": check.value,
-                           "limit": check.limit, "status": check.status, "note": check.note}
-                          for check in checks]
-    written.json_path.write_text(json.dumps(results, indent=2) + "\n")
-
     real = REAL_DATA_STATISTICS
     lines = ["", "## Inputs", "",
              "Sparsity: softmax entries >= 2^-12 per row and the fraction of 128 x 128 tiles "
@@ -364,9 +497,10 @@ def _add_sections(written: WrittenResults, shape_info: dict[str, dict[str, Any]]
               "| note |", "|---|---|---|---|---|---|"]
     lines += [f"| {check.status} | {check.target} | {check.shape} | {_number(check.value)} | "
               f"{_number(check.limit)} | {_cell(check.note)} |" for check in checks]
-    markdown = written.markdown + "\n".join(lines) + "\n"
-    written.markdown_path.write_text(markdown)
-    return replace(written, markdown=markdown)
+    targets = [{"target": check.target, "shape": check.shape, "value": check.value,
+                "limit": check.limit, "status": check.status, "note": check.note}
+               for check in checks]
+    return add_sections(written, {"shapes": shape_info, "targets": targets}, lines)
 
 
 def _number(value: Optional[float]) -> str:
@@ -417,6 +551,22 @@ def _plot(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
     plt.close(figure)
 
 
+def add_repeats_argument(parser: argparse.ArgumentParser) -> None:
+    """``--repeats N``, checked by :func:`timing` when the arguments are parsed."""
+    def repeats(text: str) -> int:
+        if not text.isdigit():
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+        try:
+            timing(int(text))
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return int(text)
+
+    parser.add_argument("--repeats", type=repeats, metavar="N",
+                        help=f"timed calls per median (default: {GPU_REPEATS} on a GPU, at least "
+                             f"{MIN_GPU_REPEATS}, after {GPU_WARMUP} warm-up calls; 1 on a CPU)")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.bench",
                                      description=__doc__.split("\n\n")[0])
@@ -429,10 +579,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--data", type=Path, help="Alpaca JSON file for the real-data shapes "
                         "(default: experiments.real_model's)")
+    add_repeats_argument(parser)
     args = parser.parse_args(argv)
     quick = args.quick or not ON_GPU
     written = run(quick, args.out, shapes=args.shapes, methods=args.methods,
-                  data_path=args.data)
+                  data_path=args.data, repeats=args.repeats)
     print(written.markdown)
     for error in written.errors:
         print(f"FAILED {error}", file=sys.stderr)

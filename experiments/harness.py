@@ -14,7 +14,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
@@ -24,6 +24,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 IGNORE_INDEX = -100
 MISSING = "—"
+GPU_WARMUP = 5  # time_fn's defaults on a GPU: warm-up calls, then timed calls (the median)
+GPU_REPEATS = 20
 
 T = TypeVar("T")
 
@@ -62,8 +64,8 @@ def time_fn(fn: Callable[..., Any], warmup: Optional[int] = None, repeats: Optio
     ``setup``, when given, runs untimed before every call and its result is passed to ``fn``
     (the forward pass, to time the backward pass alone).
     """
-    warmup = (5 if ON_GPU else 1) if warmup is None else warmup
-    repeats = (20 if ON_GPU else 3) if repeats is None else repeats
+    warmup = (GPU_WARMUP if ON_GPU else 1) if warmup is None else warmup
+    repeats = (GPU_REPEATS if ON_GPU else 3) if repeats is None else repeats
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
 
@@ -86,18 +88,22 @@ def time_fn(fn: Callable[..., Any], warmup: Optional[int] = None, repeats: Optio
     return statistics.median(one_call_ms() for _ in range(repeats))
 
 
-def peak_memory_mb(fn: Callable[[], Any]) -> Optional[float]:
+def peak_memory_mb(fn: Callable[..., Any], setup: Optional[Callable[[], Any]] = None
+                   ) -> Optional[float]:
     """Peak GPU memory allocated during one call of ``fn``, above what was in use before it.
 
     Memory that ``fn`` returns counts (it was allocated during the call), memory allocated
-    before (inputs, references) does not. None on CPU, where PyTorch does not track it.
+    before (inputs, references) does not. ``setup``, when given, runs first and its result is
+    passed to ``fn``: what it holds counts as in use before (the forward's saved state and
+    output, to measure the backward alone). None on CPU, where PyTorch does not track it.
     """
     if not ON_GPU:
         return None
+    arguments = () if setup is None else (setup(),)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     in_use_before = torch.cuda.memory_allocated()
-    fn()
+    fn(*arguments)
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - in_use_before) / 2**20
 
@@ -170,15 +176,18 @@ def float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
 
 def measure_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
                  e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                 reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 reference: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                  timing: Optional[dict[str, int]] = None) -> dict[str, Any]:
     """Accuracy, times and peak memory of one loss ``loss_fn(e, c, targets)``.
 
-    Returns loss/dE/dC relative errors against ``reference`` (loss, dE, dC in float64), the
-    median times of forward, backward alone and forward+backward (``timing`` is passed to
-    :func:`time_fn`), and the peak memory of the forward under torch.no_grad and of
-    forward+backward. An exception becomes an ``"error"`` entry, so that one failing method
-    (OOM, a kernel bug) does not hide the others.
+    Returns loss/dE/dC relative errors against ``reference`` (loss, dE, dC in float64; left out
+    when ``reference`` is None), the median times of forward, backward alone and
+    forward+backward (``timing`` is passed to :func:`time_fn`), and the peak memory of the
+    forward under torch.no_grad (``fwd_peak_mb``), of the forward with gradients enabled
+    (``fwd_grad_peak_mb``: a training step's forward, the state saved for the backward
+    included), of the backward alone above what is in use after the forward
+    (``bwd_peak_mb``), and of forward+backward. An exception becomes an ``"error"`` entry,
+    so that one failing method (OOM, a kernel bug) does not hide the others.
     """
     timing = timing or {}
 
@@ -201,15 +210,18 @@ def measure_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], t
         # First call: accuracy, and compilation out of the way before any timing.
         loss = forward()
         de, dc = backward(loss)
-        for column, result, expected in zip(("loss_rel_err", "de_rel_err", "dc_rel_err"),
-                                            (loss, de, dc), reference):
-            row[column] = relative_error(result, expected)
+        if reference is not None:
+            for column, result, expected in zip(("loss_rel_err", "de_rel_err", "dc_rel_err"),
+                                                (loss, de, dc), reference):
+                row[column] = relative_error(result, expected)
         del loss, de, dc  # so that they do not sit in memory during the measurements
         row["fwd_ms"] = time_fn(forward, **timing)
         row["bwd_ms"] = time_fn(backward, setup=forward, **timing)
         row["fwd_bwd_ms"] = time_fn(forward_backward, **timing)
         forward_no_grad()  # torch.compile guards on grad mode: compile that graph untracked
         row["fwd_peak_mb"] = peak_memory_mb(forward_no_grad)
+        row["fwd_grad_peak_mb"] = peak_memory_mb(forward)
+        row["bwd_peak_mb"] = peak_memory_mb(backward, setup=forward)
         row["fwd_bwd_peak_mb"] = peak_memory_mb(forward_backward)
     except Exception as error:
         row["error"] = f"{type(error).__name__}: {error}"
@@ -217,24 +229,36 @@ def measure_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], t
 
 
 def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
-                  out_dir: Path = Path("results"), device_dependent: bool = True
-                  ) -> WrittenResults:
+                  out_dir: Path = Path("results"), device_dependent: bool = True,
+                  group_by: Optional[str] = None) -> WrittenResults:
     """Write ``<out_dir>/<name>.json`` (rows, meta, environment) and ``<out_dir>/<name>.md``.
 
     A row that failed carries an ``"error"`` string; the returned object lists them so that
     the caller can fail loudly. ``device_dependent=False`` marks results that do not depend on
-    the machine (an analytic model): they carry no CPU-run warning.
+    the machine (an analytic model): they carry no CPU-run warning. ``group_by`` names a row
+    key whose values become headings, one Markdown table under each, instead of a column.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     json_path = out_dir / f"{name}.json"
     json_path.write_text(json.dumps({"name": name, "environment": env, "meta": meta,
                                      "rows": rows}, indent=2) + "\n")
-    markdown = _markdown_report(name, rows, meta, env, device_dependent)
+    markdown = _markdown_report(name, rows, meta, env, device_dependent, group_by)
     markdown_path = out_dir / f"{name}.md"
     markdown_path.write_text(markdown)
     errors = [str(row["error"]) for row in rows if row.get("error")]
     return WrittenResults(json_path, markdown_path, markdown, errors)
+
+
+def add_sections(written: WrittenResults, fields: dict[str, Any], markdown_lines: list[str]
+                 ) -> WrittenResults:
+    """Add top-level ``fields`` to the JSON file and ``markdown_lines`` to the Markdown file."""
+    results = json.loads(written.json_path.read_text())
+    results.update(fields)
+    written.json_path.write_text(json.dumps(results, indent=2) + "\n")
+    markdown = written.markdown + "\n".join(markdown_lines) + "\n"
+    written.markdown_path.write_text(markdown)
+    return replace(written, markdown=markdown)
 
 
 def progress(items: Iterable[T], description: str, total: Optional[int] = None,
@@ -258,7 +282,8 @@ def _package_version(name: str) -> Optional[str]:
 
 
 def _markdown_report(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
-                     env: dict[str, Any], device_dependent: bool) -> str:
+                     env: dict[str, Any], device_dependent: bool, group_by: Optional[str]
+                     ) -> str:
     versions = [f"torch {env['torch']}", f"triton {env['triton']}", f"Python {env['python']}"]
     if env["cuda"]:
         versions.insert(1, f"CUDA {env['cuda']}")
@@ -272,11 +297,22 @@ def _markdown_report(name: str, rows: list[dict[str, Any]], meta: dict[str, Any]
                   "or memory with the paper.", ""]
     if meta:
         lines += [f"- {key}: {_format(value)}" for key, value in meta.items()] + [""]
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_format(row.get(column)) for column in columns) + " |"
-              for row in rows]
+    if group_by is None:
+        lines += markdown_table(rows)
+    else:
+        for heading in dict.fromkeys(row[group_by] for row in rows):
+            group = [{key: value for key, value in row.items() if key != group_by}
+                     for row in rows if row[group_by] == heading]
+            lines += [f"## {heading}", "", *markdown_table(group), ""]
     return "\n".join(lines) + "\n"
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The lines of a Markdown table: a column per key (in order of appearance), a line per row."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(_format(row.get(column)) for column in columns) + " |"
+                    for row in rows]
 
 
 def _format(value: Any) -> str:
