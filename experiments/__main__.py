@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), metavar="NAME",
                         help="run these experiments, in this order, in one process (so that "
                              f"they share measurements and loaded models): {', '.join(EXPERIMENTS)}")
+    parser.add_argument("--repeats", type=int,
+                        help="timed calls per median in the benchmark and tables (default: "
+                             "theirs, 20 on a GPU; at least 10 there)")
     args = parser.parse_args(argv)
 
     # Imported after argument parsing so that --help answers without loading torch.
@@ -40,7 +44,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     reports, errors = [], []
     for name in progress(names, "experiments"):
         start_s = time.perf_counter()
-        written = importlib.import_module(EXPERIMENTS[name]).run(quick=quick, out_dir=args.out)
+        run = importlib.import_module(EXPERIMENTS[name]).run
+        # Only the timing experiments take repeats; the same value lets tables reuse bench rows.
+        options = ({"repeats": args.repeats}
+                   if args.repeats and "repeats" in inspect.signature(run).parameters else {})
+        written = run(quick=quick, out_dir=args.out, **options)
         print(f"{name}: {time.perf_counter() - start_s:.0f} s, wrote {written.json_path} and "
               f"{written.markdown_path}", file=sys.stderr)
         reports.append(written.markdown)
