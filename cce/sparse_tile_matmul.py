@@ -134,10 +134,14 @@ def gradient_times_classifier(scratch: Scratch, flags: torch.Tensor, e: torch.Te
             len(vocab_blocks), transposed=True)
 
 
+def _block_out(dim: int, dtype: torch.dtype) -> int:
+    """Output columns per program: the configured width, or less for a narrow output."""
+    return min(kernel_configs(dtype).sparse_tile_matmul.block_out, triton.next_power_of_2(dim))
+
+
 def product_programs_per_block(dim: int, dtype: torch.dtype) -> int:
     """Programs per output block of rows: one per BLOCK_OUT columns."""
-    block_out = kernel_configs(dtype).sparse_tile_matmul.block_out
-    return triton.cdiv(dim, min(block_out, triton.next_power_of_2(dim)))
+    return triton.cdiv(dim, _block_out(dim, dtype))
 
 
 def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor, operand: torch.Tensor,
@@ -147,7 +151,6 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor, operand
     configs = kernel_configs(operand.dtype)
     grid, config = configs.live_grid, configs.sparse_tile_matmul
     dim = operand.shape[1]
-    block_out = min(config.block_out, triton.next_power_of_2(dim))
     num_out_blocks = lists.shape[0]
     programs = num_out_blocks * product_programs_per_block(dim, operand.dtype)
     rows = num_out_blocks * grid.block_tokens
@@ -164,10 +167,10 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor, operand
         lists.stride(0), operand.stride(0), operand.stride(1),
         TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
         SPLITS=splits, BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
-        BLOCK_OUT=block_out, DOT_PRECISION=dot_precision(operand.dtype),
+        BLOCK_OUT=_block_out(dim, operand.dtype), DOT_PRECISION=dot_precision(operand.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if partial is not None:
         first_row = first_block * grid.block_tokens
-        rows = min(rows, num_tokens - first_row)
-        out[first_row:first_row + rows] = partial.sum(dim=0)[:rows].to(out.dtype)
+        valid_rows = min(rows, num_tokens - first_row)
+        out[first_row:first_row + valid_rows] = partial.sum(dim=0)[:valid_rows].to(out.dtype)

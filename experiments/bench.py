@@ -355,8 +355,7 @@ def shape_inputs(shape: Shape, data_path: Optional[Path] = None
         ignored_fraction = ALPACA_IGNORED_FRACTION if masked else 0.0
         return (*_synthetic_inputs(shape, ignored_fraction),
                 f"synthetic LM-like{_ignored_note(ignored_fraction)}: {reason}")
-    # As real_model.alpaca_embeddings(mask_prompt=...), from the one batch both variants share.
-    targets = torch.where(batch.response, batch.targets, IGNORE_INDEX) if masked else batch.targets
+    targets = batch.loss_targets(mask_prompt=masked)  # one cached batch serves both variants
     # New leaves: the cached batch itself never records a gradient.
     return (batch.e.detach().requires_grad_(), batch.c.detach().requires_grad_(), targets,
             "real: Gemma 3 270M final hidden states on Alpaca"

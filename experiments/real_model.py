@@ -39,6 +39,12 @@ class AlpacaBatch:
     response: torch.Tensor  # (num_tokens,) bool
     num_sequences: int  # sequences with at least one row in the batch
 
+    def loss_targets(self, mask_prompt: bool) -> torch.Tensor:
+        """``targets``, with -100 where the target is a prompt token when ``mask_prompt``."""
+        if not mask_prompt:
+            return self.targets
+        return torch.where(self.response, self.targets, IGNORE_INDEX)
+
 
 def model_path() -> Path:
     """The GGUF file of Gemma 3 270M: ``$CCE_GEMMA3_GGUF`` when that variable is set, else the
@@ -147,10 +153,7 @@ def alpaca_embeddings(num_tokens: int, *, device: str = "cpu", dtype: torch.dtyp
     batch = alpaca_batch(num_tokens, device=device, dtype=dtype, data_path=data_path,
                          batch_size=batch_size, max_length=max_length, model=model,
                          tokenizer=tokenizer)
-    targets = batch.targets
-    if mask_prompt:
-        targets = torch.where(batch.response, targets, IGNORE_INDEX)
-    return batch.e, batch.c, targets
+    return batch.e, batch.c, batch.loss_targets(mask_prompt)
 
 
 def _token_bar(total: int) -> Any:
