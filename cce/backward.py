@@ -8,11 +8,10 @@ block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
    stored in dC's memory, which is not written yet, so a chunk holds about D tokens.
 2. dC, chunks of vocabulary blocks x all tokens: ``dC[chunk] = G[:, chunk]^T E``. The chunk is
    stored in the rows of dC that are still free (those of later vocabulary positions), so the
-   chunks shrink as dC fills up; when they would become too small to fill the GPU, the rest of
-   the vocabulary goes to an owner kernel that needs no storage (:mod:`cce.backward_classifier`).
-   With vocabulary sorting, the rest is the least likely vocabulary, where most tiles are dead.
+   chunks shrink as dC fills up; once a small spare buffer holds more than the free rows, the
+   rest of the vocabulary goes through that buffer, in chunks of a fixed width.
 
-Peak memory is dE + dC + a few MB of tables and partial sums; every gradient is accumulated in
+Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; every gradient is accumulated in
 float32 on-chip and written once, without atomics, so the result is deterministic. Tiles that the
 forward's maxima prove negligible (``live_tiles``) are never recomputed; pass 1 records which
 tiles survive the exact filter, so pass 2 only recomputes those.
@@ -25,8 +24,7 @@ from typing import Optional
 import torch
 import triton
 
-from cce.backward_classifier import backward_classifier
-from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, min_chunk_vocab_blocks,
+from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, spare_scratch_bytes,
                         whole_waves)
 from cce.gradient_tiles import gradient_tiles
 from cce.scratch import Scratch, rows_can_hold_segments
@@ -76,27 +74,31 @@ def linear_cross_entropy_backward(
     if needs_grad_c:
         # Pass 1 filtered every tile exactly: its flags skip more than the forward's bound.
         skippable = flags if needs_grad_e else live_tiles
+        # Vocabulary positions -> rows of dC: the free rows are those of later positions.
+        position_rows = (vocab_order if vocab_order is not None else
+                         torch.arange(vocab_size, dtype=torch.int32, device=c.device))
+        spare_width = max(1, spare_scratch_bytes() // (num_tokens * grid.block_vocab
+                                                       * c.element_size()))
+        spare = None
         first = 0
-        if rows_can_hold_segments(grad_c, grid.block_vocab):
-            # Vocabulary positions -> rows of dC: the free rows are those of later positions.
-            position_rows = (vocab_order if vocab_order is not None else
-                             torch.arange(vocab_size, dtype=torch.int32, device=c.device))
-            while True:
-                width = _classifier_chunk_width(first, num_tokens, vocab_size, dim,
-                                                grid.block_vocab, num_vocab_blocks)
-                if width < min_chunk_vocab_blocks():
-                    break
-                vocab_blocks = range(first, first + width)
-                free_rows = position_rows[vocab_blocks.stop * grid.block_vocab:]
+        while first < num_vocab_blocks:
+            width = (_classifier_chunk_width(first, num_tokens, vocab_size, dim,
+                                             grid.block_vocab, num_vocab_blocks)
+                     if rows_can_hold_segments(grad_c, grid.block_vocab) else 0)
+            if width >= spare_width:
+                free_rows = position_rows[(first + width) * grid.block_vocab:]
                 scratch = Scratch.in_rows(grad_c, free_rows, grid.block_vocab)
-                recompute(scratch, range(num_token_blocks), vocab_blocks, skippable)
-                gradient_times_classifier(scratch, flags, e, vocab_order, grad_c, grad_bias,
-                                          vocab_blocks)
-                first = vocab_blocks.stop
-        if first < num_vocab_blocks:
-            backward_classifier(e, c, targets, bias, softcap, lse, prob_scale, target_scale,
-                                vocab_order, skippable, filter_eps, grad_c, grad_bias,
-                                first * grid.block_vocab)
+            else:
+                width = min(spare_width, num_vocab_blocks - first)
+                if spare is None:
+                    spare = Scratch.dedicated(num_tokens * width, grid.block_vocab, c.dtype,
+                                              c.device)
+                scratch = spare
+            vocab_blocks = range(first, first + width)
+            recompute(scratch, range(num_token_blocks), vocab_blocks, skippable)
+            gradient_times_classifier(scratch, flags, e, vocab_order, grad_c, grad_bias,
+                                      vocab_blocks)
+            first = vocab_blocks.stop
     return grad_e, grad_c, grad_bias
 
 

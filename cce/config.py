@@ -2,10 +2,7 @@
 
 ``live_grid`` is the tile grid of the backward: the forward records one maximum per tile of it
 (its own tiles are whole rows of the grid), the backward recomputes, stores and multiplies whole
-tiles of it, and ``backward_classifier`` (the owner kernel for the end of the vocabulary, see
-:mod:`cce.backward`) uses blocks that divide it. That kernel accumulates a block_vocab x
-block_out float32 slice of dC in registers and recomputes a logit tile for every block_out
-columns, so a wider block_out means less recompute but more registers.
+tiles of it.
 
 The Triton interpreter (CPU) runs one program at a time with numpy: it wants few, large
 programs. float32 inputs use exact fp32 dot products (``input_precision="ieee"``), which hold
@@ -40,16 +37,12 @@ class KernelConfigs:
     live_grid: KernelConfig  # tiles of the live-tile table (block_tokens x block_vocab)
     gradient_tiles: KernelConfig  # block_dim, warps and stages; the tiles are the live grid's
     sparse_tile_matmul: KernelConfig  # block_out, warps and stages; rows are the live grid's
-    backward_classifier: KernelConfig
 
     def __post_init__(self):
         grid = self.live_grid
         if (self.lse_forward.block_tokens != grid.block_tokens
                 or self.lse_forward.block_vocab % grid.block_vocab):
             raise ValueError("the forward's tiles must be whole rows of live-grid tiles")
-        config = self.backward_classifier
-        if grid.block_tokens % config.block_tokens or grid.block_vocab % config.block_vocab:
-            raise ValueError("backward_classifier blocks must divide the live-tile grid")
 
 
 _INTERPRETER = KernelConfigs(
@@ -58,8 +51,6 @@ _INTERPRETER = KernelConfigs(
     live_grid=KernelConfig(block_tokens=32, block_vocab=128),
     gradient_tiles=KernelConfig(block_dim=32),
     sparse_tile_matmul=KernelConfig(block_out=64),
-    backward_classifier=KernelConfig(block_tokens=32, block_vocab=64, block_dim=32,
-                                     block_out=64),
 )
 _GPU_16BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=128),
@@ -70,8 +61,6 @@ _GPU_16BIT = KernelConfigs(
     gradient_tiles=KernelConfig(block_dim=64, num_warps=8, num_stages=3),
     # 256 output columns, 2 stages: 14-20% faster than 128 columns with 3 or 4 stages (NOTES.md).
     sparse_tile_matmul=KernelConfig(block_out=256, num_warps=8, num_stages=2),
-    backward_classifier=KernelConfig(block_tokens=128, block_vocab=64, block_dim=64,
-                                     block_out=256, num_warps=8, num_stages=3),
 )
 _GPU_32BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=64),
@@ -79,8 +68,6 @@ _GPU_32BIT = KernelConfigs(
     live_grid=KernelConfig(block_tokens=64, block_vocab=64),
     gradient_tiles=KernelConfig(block_dim=32),
     sparse_tile_matmul=KernelConfig(block_out=64),
-    backward_classifier=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32,
-                                     block_out=64),
 )
 
 # Forward programs per streaming multiprocessor: enough to hide the tail of uneven waves,
@@ -123,18 +110,16 @@ def split_count(programs: int, bytes_per_split: int, device: torch.device) -> in
     return max(1, min(wanted, _PARTIAL_SUM_BYTES // bytes_per_split))
 
 
-# Pass 2 of the backward stores its chunks in the free rows of dC; below this many vocabulary
-# blocks a chunk no longer fills the GPU, and the owner kernel takes the rest of the vocabulary.
-_MIN_CHUNK_VOCAB_BLOCKS = 16
+# Pass 2 of the backward stores its chunks in the free rows of dC; once fewer rows are free
+# than this buffer holds, the rest of the vocabulary goes through it (part of the 16 MB slack).
+_SPARE_SCRATCH_BYTES = 8 * 2**20
 # Pass 1 stores its chunks in dC's memory; without dC (or with too little of it) it gets a buffer
 # of its own, of about this size.
 DEDICATED_SCRATCH_BYTES = 64 * 2**20
 
 
-def min_chunk_vocab_blocks() -> int:
-    if interpreting():
-        return 1  # the tests' small vocabularies still go through the chunked pass
-    return _MIN_CHUNK_VOCAB_BLOCKS
+def spare_scratch_bytes() -> int:
+    return _SPARE_SCRATCH_BYTES
 
 
 def whole_waves(blocks: int, programs_per_block: int, device: torch.device) -> int:

@@ -6,10 +6,10 @@ merges the result into the global LSE once, under a spin lock (one lock per toke
 the N x V logits never reach global memory and the lock is taken once per program rather than
 once per tile.
 
-When a backward will follow it also records the largest logit of every tile of the live-tile
-grid (``config.live_grid``, finer along the vocabulary than the forward's own tiles). With the
-LSE, that bounds the tile's largest softmax entry, so the backward can skip negligible tiles
-without recomputing them. Tiles follow ``vocab_order`` when given (vocabulary sorting), so that the
+When a backward will follow it also records, for every tile of the live-tile grid
+(``config.live_grid``, finer along the vocabulary than the forward's own tiles), the largest
+logit of the forward tile that holds it. With the LSE, that bounds the tile's largest softmax
+entry, so the backward can skip negligible tiles without recomputing them. Tiles follow ``vocab_order`` when given (vocabulary sorting), so that the
 forward's and the backward's tiles are the same.
 """
 
@@ -71,15 +71,17 @@ def lse_forward_kernel(
         )
         # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)).
         logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
+        tile_row_max = tl.max(logits, axis=1)
         if RECORD_TILE_MAX:
-            # Maxima on the backward's finer grid: one per LIVE_BLOCK_VOCAB columns.
-            column_max = tl.max(tl.where(recorded_rows[:, None], logits, float("-inf")), axis=0)
-            record_max = tl.max(tl.reshape(column_max, (RECORDS_PER_TILE, LIVE_BLOCK_VOCAB)),
-                                axis=1)
+            # One maximum per forward tile, from the row maxima the LSE needs anyway (a maximum
+            # per column would cost a reduction across warps for every tile), written to each
+            # of its live-grid tiles: a bound for each of them.
+            tile_max = tl.max(tl.where(recorded_rows, tile_row_max, float("-inf")))
             records = vocab_block * RECORDS_PER_TILE + tl.arange(0, RECORDS_PER_TILE)
-            tl.store(tile_max_ptr + token_block * num_live_vocab_blocks + records, record_max,
+            tl.store(tile_max_ptr + token_block * num_live_vocab_blocks + records,
+                     tile_max + tl.zeros((RECORDS_PER_TILE,), dtype=tl.float32),
                      mask=records < num_live_vocab_blocks)
-        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        new_max = tl.maximum(running_max, tile_row_max)
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         running_sum = (running_sum * tl.exp(running_max - safe_max)
                        + tl.sum(tl.exp(logits - safe_max[:, None]), axis=1))
@@ -101,9 +103,10 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 softcap: Optional[float], targets: torch.Tensor,
                 vocab_order: Optional[torch.Tensor], record_tile_max: bool,
                 ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
-    """float32 (N,) log-sum-exp of every row and, when ``record_tile_max``, the float32 largest
-    logit of every tile of the live-tile grid (in ``vocab_order``) over non-ignored tokens
-    (``targets >= 0``; -inf where a tile has none)."""
+    """float32 (N,) log-sum-exp of every row and, when ``record_tile_max``, a float32 bound on
+    the largest logit of every tile of the live-tile grid (in ``vocab_order``) over non-ignored
+    tokens (``targets >= 0``; -inf where a tile has none): the largest logit of the forward tile
+    that holds it."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     configs = kernel_configs(e.dtype)

@@ -47,6 +47,7 @@ EPS = 2.0**-12  # cce's filter_eps for bfloat16: finfo(bfloat16).eps / 32
 BLOCK = 16  # vocabulary granularity of the stored per-row maxima: the smallest tile width
 TILE_SIZES = (16, 32, 64, 128, 256)
 CCE_TILE = 128  # cce.config's live_grid for 16-bit inputs on GPU: 128 tokens x 128 vocabulary
+CCE_FORWARD_TILE_VOCAB = 256  # its forward tiles: one recorded maximum per 128 x 256 logits
 ROW_CHUNK = 256  # rows of float32 logits at a time: 256 x 262144 x 4 B = 256 MiB
 QUICK_TOKENS = 4096
 FULL_TOKENS = 16384
@@ -113,17 +114,22 @@ class SoftmaxSparsity:
         return float(self.live_tile_grid(tile, order, group, compact).float().mean())
 
     def cce_live_grid(self, order: str, group: str = "all", tile: int = CCE_TILE,
-                      compact: bool = True) -> torch.Tensor:
+                      compact: bool = True,
+                      forward_tile_vocab: int = CCE_FORWARD_TILE_VOCAB) -> torch.Tensor:
         """The tiles that cce's backward computes: its live-tile table
         (``cce.vocab_order.live_tiles``), built as cce builds it for a loss over the group's
-        rows. Its bound, exp(largest logit of the tile - smallest LSE of its rows), keeps every
+        rows. Its bound, exp(largest logit of the forward tile (``tile`` x
+        ``forward_tile_vocab``) that holds the tile - smallest LSE of its rows), keeps every
         tile with an entry >= eps live, and more; tiles holding a target are live too. Rows
         outside the group (``compact=False``) are ignored tokens: cce leaves them out of the
         maxima and the bound."""
         block_max, lse, member, targets = self._tiled_rows(order, group, compact)
         in_group = member.bool()
-        tile_max = _tile_max(block_max.masked_fill(~in_group[:, None], -math.inf), tile,
-                             _blocks_per_tile(tile))
+        forward_max = _tile_max(block_max.masked_fill(~in_group[:, None], -math.inf), tile,
+                                _blocks_per_tile(forward_tile_vocab))
+        live_blocks = -(-block_max.shape[1] // _blocks_per_tile(tile))
+        tile_max = forward_max.repeat_interleave(forward_tile_vocab // tile,
+                                                 dim=1)[:, :live_blocks]
         table = live_tiles(tile_max, lse, member, torch.where(in_group, targets, IGNORE_INDEX),
                            self.order if order == "sorted" else None, tile, tile, self.eps)
         return table.ne(0)

@@ -2,9 +2,9 @@
 
 With D a multiple of the vocabulary block, pass 1 (dE) stores its chunks of logit gradients in
 dC's memory and pass 2 (dC) in the rows of dC that are still free, with chunks that shrink as dC
-fills up, and an owner kernel for the end of the vocabulary. The shapes below, derived from the
-tile grid of the dtype, make each pass take several chunks and leave a tail for the owner
-kernel; the gradients must match the float64 reference whatever the path.
+fills up, and then in a spare buffer for the end of the vocabulary. The shapes below, derived
+from the tile grid of the dtype, make each pass take several chunks and leave a tail for the
+spare buffer; the gradients must match the float64 reference whatever the path.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ def _shape(dtype: torch.dtype) -> "tuple[int, int]":
 
 
 @pytest.fixture(autouse=True)
-def chunks_of_any_width(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU, chunks narrower than min_chunk_vocab_blocks() go to the owner kernel; these
-    small vocabularies must still take the chunked path."""
-    monkeypatch.setattr(cce.backward, "min_chunk_vocab_blocks", lambda: 1)
+def spare_buffer_of_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real spare buffer holds more than these small vocabularies: shrink it to one
+    vocabulary block, so that pass 2 uses the free rows of dC first."""
+    monkeypatch.setattr(cce.backward, "spare_scratch_bytes", lambda: 1)
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list:
@@ -55,17 +55,18 @@ def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional
                                         vocab_sorting: bool, device: str,
                                         gen: torch.Generator,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Several dE chunks, several shrinking dC chunks and an owner-kernel tail, all exact."""
+    """Several dE chunks, several shrinking dC chunks and a tail through the spare buffer (one
+    segment per page), all exact."""
     embeddings_chunks = _spy(monkeypatch, "gradient_times_embeddings")
     classifier_chunks = _spy(monkeypatch, "gradient_times_classifier")
-    tail = _spy(monkeypatch, "backward_classifier")
     vocab, dim = _shape(dtype)
     inputs = make_inputs(gen, device, dtype, shape=(N,), vocab=vocab, dim=dim, bias=True,
                          softcap=20.0)
     check("cce", inputs, gen, "mean", filter_eps=filter_eps, vocab_sorting=vocab_sorting)
+    in_spare = [scratch.segments_per_page == 1 for scratch, *_ in classifier_chunks]
     assert len(embeddings_chunks) >= 2
-    assert len(classifier_chunks) >= 2
-    assert len(tail) == 1
+    assert in_spare.count(False) >= 2 and in_spare[-1]
+    assert in_spare == sorted(in_spare)  # free rows first, then the spare buffer
 
 
 def test_classifier_chunks_fit_in_the_free_rows_of_dc() -> None:
@@ -86,7 +87,7 @@ def test_classifier_chunks_fit_in_the_free_rows_of_dc() -> None:
         widths.append(width)
         first += width
     assert widths == sorted(widths, reverse=True) and len(widths) >= 2
-    assert first < num_vocab_blocks  # the rest goes to the owner kernel
+    assert first < num_vocab_blocks  # the rest goes through the spare buffer
 
 
 @pytest.mark.parametrize("frozen", ["e", "c"])

@@ -141,12 +141,13 @@ def test_sorting_permutes_the_vocabulary_by_average_logit(synthetic) -> None:
 @pytest.mark.parametrize("order", fig3_sparsity.ORDERS)
 def test_cce_table_matches_its_rule_and_holds_every_live_tile(synthetic, order: str,
                                                               compact: bool) -> None:
-    """cce's table at 32 x 32 for the response rows equals a brute-force evaluation of its rule
-    (largest logit of the tile's response rows - their smallest LSE >= log eps, or a response
-    row's target in the tile) and contains every tile with an entry >= eps of a response row.
-    ``compact``: the response rows alone; otherwise in place among ignored prompt rows."""
+    """cce's table at 32 x 32 (forward tiles 32 x 64) for the response rows equals a
+    brute-force evaluation of its rule (largest logit of the forward tile's response rows -
+    their smallest LSE >= log eps, or a response row's target in the tile) and contains every
+    tile with an entry >= eps of a response row. ``compact``: the response rows alone;
+    otherwise in place among ignored prompt rows."""
     logits, targets, response, sparsity = synthetic
-    tile = 32
+    tile, forward_tile = 32, 64
     columns = sparsity.order.long() if order == "sorted" else torch.arange(V)
     rows = response if compact else torch.ones(N, dtype=torch.bool)
     member = response[rows]
@@ -160,13 +161,16 @@ def test_cce_table_matches_its_rule_and_holds_every_live_tile(synthetic, order: 
     for i in range(0, len(lse), tile):
         in_tile = member[i:i + tile]
         for j in range(0, V, tile):
-            bound = (float(ordered[i:i + tile][in_tile, j:j + tile].max()
+            forward_start = j // forward_tile * forward_tile
+            forward_columns = slice(forward_start, forward_start + forward_tile)
+            bound = (float(ordered[i:i + tile][in_tile, forward_columns].max()
                            - lse[i:i + tile][in_tile].min()) if in_tile.any() else -math.inf)
             tile_targets = targets[rows][i:i + tile][in_tile]
             holds_target = bool(((position[tile_targets] // tile) == j // tile).any())
             table.append(bound >= math.log(EPS) or holds_target)
             exact.append(bool(live_entries[i:i + tile, j:j + tile].any()))
-    grid = sparsity.cce_live_grid(order, "response", tile=tile, compact=compact)
+    grid = sparsity.cce_live_grid(order, "response", tile=tile, compact=compact,
+                                  forward_tile_vocab=forward_tile)
     assert grid.flatten().tolist() == table
     assert sparsity.live_tile_grid(tile, order, "response", compact).flatten().tolist() == exact
     assert all(live for live, needed in zip(table, exact) if needed)
@@ -196,6 +200,7 @@ def test_cce_tile_is_cce_live_grid_for_16_bit_inputs_on_gpu() -> None:
 
     grid = _GPU_16BIT.live_grid
     assert (grid.block_tokens, grid.block_vocab) == (fig3_sparsity.CCE_TILE,) * 2
+    assert _GPU_16BIT.lse_forward.block_vocab == fig3_sparsity.CCE_FORWARD_TILE_VOCAB
     assert fig3_sparsity.EPS == torch.finfo(torch.bfloat16).eps / 32
 
 
