@@ -11,10 +11,10 @@ block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
    chunks shrink as dC fills up; once a small spare buffer holds more than the free rows, the
    rest of the vocabulary goes through that buffer, in chunks of a fixed width.
 
-Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; every gradient is accumulated in
-float32 on-chip and written once, without atomics, so the result is deterministic. Tiles that the
-forward's maxima prove negligible (``live_tiles``) are never recomputed; pass 1 records which
-tiles survive the exact filter, so pass 2 only recomputes those.
+Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; every gradient
+is accumulated in float32 on-chip and written once, without atomics, so the result is
+deterministic. Tiles that the forward's maxima prove negligible (``live_tiles``) are never
+recomputed; pass 1 records which tiles survive the exact filter, so pass 2 only recomputes those.
 """
 
 from __future__ import annotations
@@ -79,12 +79,13 @@ def linear_cross_entropy_backward(
                          torch.arange(vocab_size, dtype=torch.int32, device=c.device))
         spare_width = max(1, spare_scratch_bytes() // (num_tokens * grid.block_vocab
                                                        * c.element_size()))
+        rows_hold_segments = rows_can_hold_segments(grad_c, grid.block_vocab)
         spare = None
         first = 0
         while first < num_vocab_blocks:
             width = (_classifier_chunk_width(first, num_tokens, vocab_size, dim,
                                              grid.block_vocab, num_vocab_blocks)
-                     if rows_can_hold_segments(grad_c, grid.block_vocab) else 0)
+                     if rows_hold_segments else 0)
             if width >= spare_width:
                 free_rows = position_rows[(first + width) * grid.block_vocab:]
                 scratch = Scratch.in_rows(grad_c, free_rows, grid.block_vocab)
