@@ -26,24 +26,25 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         skips_tiles = needs_grad and filter_eps is not None
         order = vocab_order(e, c, bias, targets) if skips_tiles and vocab_sorting else None
         target_logit = indexed_dot(e, c, targets, bias, softcap)
-        lse, tile_max = lse_forward(e, c, bias, softcap, targets, order,
-                                    record_tile_max=skips_tiles)
+        # The target logits double as lower bounds of the LSE for the tile bounds.
+        lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
+                                      target_logit if skips_tiles else None)
         loss = torch.where(targets >= 0, lse - target_logit, 0.0)
-        ctx.save_for_backward(e, c, bias, targets, lse, order, tile_max)
+        ctx.save_for_backward(e, c, bias, targets, lse, order, tile_bound)
         ctx.softcap = softcap
         ctx.filter_eps = filter_eps
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
-        e, c, bias, targets, lse, order, tile_max = ctx.saved_tensors
+        e, c, bias, targets, lse, order, tile_bound = ctx.saved_tensors
         target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
                         if grad_loss is not None else torch.zeros_like(lse))
         prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
         live = None
-        if tile_max is not None:
+        if tile_bound is not None:
             grid = kernel_configs(e.dtype).live_grid
-            live = live_tiles(tile_max, lse, prob_scale, targets, order, grid.block_tokens,
+            live = live_tiles(tile_bound, lse, prob_scale, targets, order, grid.block_tokens,
                               grid.block_vocab, ctx.filter_eps)
         grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
             e, c, targets, bias, ctx.softcap, lse, prob_scale, target_scale, order, live,

@@ -58,7 +58,9 @@ _GPU_16BIT = KernelConfigs(
     lse_forward=KernelConfig(block_tokens=128, block_vocab=256, block_dim=64, num_warps=8,
                              num_stages=3),
     live_grid=KernelConfig(block_tokens=128, block_vocab=128),
-    gradient_tiles=KernelConfig(block_dim=64, num_warps=8, num_stages=3),
+    # 4 warps: 13-19% faster recomputes than 8 on an H200 (NOTES.md), probably because two
+    # programs then share an SM and one's exp-filter-store overlaps the other's products.
+    gradient_tiles=KernelConfig(block_dim=64, num_warps=4, num_stages=3),
     # 256 output columns, 2 stages: 14-20% faster than 128 columns with 3 or 4 stages (NOTES.md).
     sparse_tile_matmul=KernelConfig(block_out=256, num_warps=8, num_stages=2),
 )
@@ -73,6 +75,9 @@ _GPU_32BIT = KernelConfigs(
 # Forward programs per streaming multiprocessor: enough to hide the tail of uneven waves,
 # few enough that each program amortizes its one lock acquisition over many tiles.
 _FORWARD_PROGRAMS_PER_SM = 8
+# A forward program's tile bounds rest on the LSE of its own earlier tiles (and on what others
+# have merged, which on a small problem is nothing yet): fewer tiles per program, looser bounds.
+_MIN_BLOCKS_PER_RECORDING_PROGRAM = 8
 
 
 def interpreting() -> bool:
@@ -85,14 +90,17 @@ def kernel_configs(dtype: torch.dtype) -> KernelConfigs:
     return _GPU_32BIT if dtype == torch.float32 else _GPU_16BIT
 
 
-def forward_vocab_splits(num_token_blocks: int, num_vocab_blocks: int,
-                         device: torch.device) -> int:
+def forward_vocab_splits(num_token_blocks: int, num_vocab_blocks: int, device: torch.device,
+                         records_bounds: bool) -> int:
     """How many programs share one token block's vocabulary in the forward."""
     if interpreting():
         return min(2, num_vocab_blocks)  # still exercises the cross-program LSE merge
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     wanted = -(-_FORWARD_PROGRAMS_PER_SM * sm_count // num_token_blocks)  # ceiling division
-    return max(1, min(num_vocab_blocks, wanted))
+    splits = max(1, min(num_vocab_blocks, wanted))
+    if records_bounds:
+        splits = min(splits, -(-num_vocab_blocks // _MIN_BLOCKS_PER_RECORDING_PROGRAM))
+    return splits
 
 
 # Split a product's lists among more programs while it has fewer than this many per SM, within

@@ -1,7 +1,7 @@
 """Backward, step 1 (paper Alg. 3, recompute): the logit-gradient tiles of one chunk, written once.
 
 One program per (token block x vocabulary block) tile of the live grid inside a chunk. Tiles
-that the forward's maxima prove negligible are skipped without a recompute; the others are
+that the forward's bounds prove negligible are skipped without a recompute; the others are
 recomputed on-chip (one N x V x D product's worth of work for the whole chunk), filtered exactly
 (gradient filtering: every entry below ``filter_eps``) and, when they survive, stored in the
 chunk's scratch (:mod:`cce.scratch`) in the input dtype. ``flags`` records which tiles were

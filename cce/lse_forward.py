@@ -7,10 +7,14 @@ the N x V logits never reach global memory and the lock is taken once per progra
 once per tile.
 
 When a backward will follow it also records, for every tile of the live-tile grid
-(``config.live_grid``, finer along the vocabulary than the forward's own tiles), the largest
-logit of the forward tile that holds it. With the LSE, that bounds the tile's largest softmax
-entry, so the backward can skip negligible tiles without recomputing them. Tiles follow ``vocab_order`` when given (vocabulary sorting), so that the
-forward's and the backward's tiles are the same.
+(``config.live_grid``, finer along the vocabulary than the forward's own tiles), a bound on the
+log-probability of every entry of the forward tile that holds it, over the non-ignored rows:
+``max_i(max_j z_ij - L_i)`` with ``L_i`` a lower bound of row i's final LSE known when the tile
+is computed (its target's logit, the LSE of the program's tiles so far, and whatever other
+programs have merged already). Being per row, it stays tight when the LSE differs between the
+rows of a tile, as on real data. Tiles follow ``vocab_order`` when given (vocabulary sorting),
+so that the forward's and the backward's tiles are the same, and the head of the vocabulary,
+which holds most of the mass, is merged first.
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ def log_add_exp(a, b):
 
 @triton.jit
 def lse_forward_kernel(
-    e_ptr, c_ptr, bias_ptr, targets_ptr, vocab_order_ptr, lse_ptr, locks_ptr, tile_max_ptr,
+    e_ptr, c_ptr, bias_ptr, targets_ptr, target_logit_ptr, vocab_order_ptr, lse_ptr, locks_ptr,
+    tile_bound_ptr,
     num_tokens, vocab_size, dim, vocab_blocks_per_program,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
-    RECORD_TILE_MAX: tl.constexpr, LIVE_BLOCK_VOCAB: tl.constexpr,
+    RECORD_TILE_BOUND: tl.constexpr, LIVE_BLOCK_VOCAB: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -55,10 +60,11 @@ def lse_forward_kernel(
 
     rows = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     row_mask = rows < num_tokens
-    if RECORD_TILE_MAX:
+    if RECORD_TILE_BOUND:
         # Ignored tokens get no loss gradient: leaving them out tightens the backward's bound.
         targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
         recorded_rows = targets >= 0
+        target_logit = tl.load(target_logit_ptr + rows, mask=recorded_rows, other=float("-inf"))
     running_max = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     for vocab_block in range(first_vocab_block, last_vocab_block):
@@ -72,20 +78,28 @@ def lse_forward_kernel(
         # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)).
         logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
         tile_row_max = tl.max(logits, axis=1)
-        if RECORD_TILE_MAX:
-            # One maximum per forward tile, from the row maxima the LSE needs anyway (a maximum
-            # per column would cost a reduction across warps for every tile), written to each
-            # of its live-grid tiles: a bound for each of them.
-            tile_max = tl.max(tl.where(recorded_rows, tile_row_max, float("-inf")))
-            records = vocab_block * RECORDS_PER_TILE + tl.arange(0, RECORDS_PER_TILE)
-            tl.store(tile_max_ptr + token_block * num_live_vocab_blocks + records,
-                     tile_max + tl.zeros((RECORDS_PER_TILE,), dtype=tl.float32),
-                     mask=records < num_live_vocab_blocks)
         new_max = tl.maximum(running_max, tile_row_max)
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         running_sum = (running_sum * tl.exp(running_max - safe_max)
                        + tl.sum(tl.exp(logits - safe_max[:, None]), axis=1))
         running_max = new_max
+        if RECORD_TILE_BOUND:
+            # Every lower bound of the final LSE known now: merges only ever raise the merged
+            # value, so a read without the lock is a bound too (volatile: read again for every
+            # tile, never from a stale L1 line, to see the merges made meanwhile).
+            merged_lse = tl.load(lse_ptr + rows, mask=row_mask, other=float("-inf"),
+                                 volatile=True)
+            lse_lower = tl.maximum(tl.maximum(target_logit, merged_lse),
+                                   safe_max + tl.log(running_sum))
+            # One bound per forward tile, from the row maxima the LSE needs anyway (one per
+            # column would cost a reduction across warps), written to each of its live-grid
+            # tiles.
+            tile_bound = tl.max(tl.where(recorded_rows, tile_row_max - lse_lower,
+                                         float("-inf")))
+            records = vocab_block * RECORDS_PER_TILE + tl.arange(0, RECORDS_PER_TILE)
+            tl.store(tile_bound_ptr + token_block * num_live_vocab_blocks + records,
+                     tile_bound + tl.zeros((RECORDS_PER_TILE,), dtype=tl.float32),
+                     mask=records < num_live_vocab_blocks)
     safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
     program_lse = safe_max + tl.log(running_sum)
 
@@ -101,35 +115,37 @@ def lse_forward_kernel(
 
 def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 softcap: Optional[float], targets: torch.Tensor,
-                vocab_order: Optional[torch.Tensor], record_tile_max: bool,
+                vocab_order: Optional[torch.Tensor],
+                target_logit: Optional[torch.Tensor] = None,
                 ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
-    """float32 (N,) log-sum-exp of every row and, when ``record_tile_max``, a float32 bound on
-    the largest logit of every tile of the live-tile grid (in ``vocab_order``) over non-ignored
-    tokens (``targets >= 0``; -inf where a tile has none): the largest logit of the forward tile
-    that holds it."""
+    """float32 (N,) log-sum-exp of every row and, when ``target_logit`` (float32 (N,), from
+    :func:`cce.indexed_dot.indexed_dot`) is given, the float32 table of log-probability bounds
+    of the live-tile grid (in ``vocab_order``): every softmax entry of a tile on a non-ignored
+    row (``targets >= 0``) is at most exp(its bound); -inf where a tile has no such row."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     configs = kernel_configs(e.dtype)
     config, live_grid = configs.lse_forward, configs.live_grid
     num_token_blocks = triton.cdiv(num_tokens, config.block_tokens)
     num_vocab_blocks = triton.cdiv(vocab_size, config.block_vocab)
-    splits = forward_vocab_splits(num_token_blocks, num_vocab_blocks, e.device)
+    record = target_logit is not None
+    splits = forward_vocab_splits(num_token_blocks, num_vocab_blocks, e.device, record)
     vocab_blocks_per_program = triton.cdiv(num_vocab_blocks, splits)
     splits = triton.cdiv(num_vocab_blocks, vocab_blocks_per_program)
 
     lse = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=e.device)
     locks = torch.zeros(num_token_blocks, dtype=torch.int32, device=e.device)
-    tile_max = (torch.empty((num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab)),
-                            dtype=torch.float32, device=e.device) if record_tile_max else None)
+    tile_bound = (torch.empty((num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab)),
+                              dtype=torch.float32, device=e.device) if record else None)
     lse_forward_kernel[(num_token_blocks * splits,)](
-        e, c, bias, targets, vocab_order, lse, locks, tile_max,
+        e, c, bias, targets, target_logit, vocab_order, lse, locks, tile_bound,
         num_tokens, vocab_size, dim, vocab_blocks_per_program,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        SORTED=vocab_order is not None, RECORD_TILE_MAX=record_tile_max,
+        SORTED=vocab_order is not None, RECORD_TILE_BOUND=record,
         LIVE_BLOCK_VOCAB=live_grid.block_vocab,
         BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return lse, tile_max
+    return lse, tile_bound

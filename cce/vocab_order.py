@@ -3,7 +3,7 @@
 The paper orders the vocabulary by average logit, accumulated in the forward with an atomic
 add. The average of ``e_i . c_v + b_v`` over tokens is exactly ``mean(e) . c_v + b_v``: one
 matrix-vector product, cheap enough to run *before* the forward, so that the forward walks the
-sorted vocabulary too and its per-tile maxima describe the backward's tiles. (With a softcap
+sorted vocabulary too and its per-tile bounds describe the backward's tiles. (With a softcap
 the order is that of the pre-cap average: the cap is monotone, and the order only changes speed.)
 """
 
@@ -27,30 +27,28 @@ def vocab_order(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     return torch.argsort(average_logit.float(), descending=True).to(torch.int32)
 
 
-def live_tiles(tile_max: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
+def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
                targets: torch.Tensor, vocab_order: Optional[torch.Tensor], block_tokens: int,
                block_vocab: int, filter_eps: float) -> torch.Tensor:
     """int32 (token blocks, vocabulary blocks) table, 0 where no softmax entry can reach
-    ``filter_eps``: exp(max logit of the tile - min LSE of its rows) is a bound on them all.
+    ``filter_eps``: the forward's log-probability bound of the tile is below log(filter_eps).
 
-    ``tile_max`` covers the non-ignored tokens only (see :func:`cce.lse_forward.lse_forward`),
-    and only rows whose probabilities carry a gradient (``prob_scale != 0``) count in the
-    minimum, so ignored tokens (a masked prompt) do not keep tiles live. An ignored token whose
-    probabilities do carry a gradient (through the returned LSE) is not covered by the maxima:
-    its whole token block stays live. Tiles that hold a token's target are always live (their
-    gradient has the -1 of the target). A NaN anywhere keeps the tile live, so NaN inputs still
-    reach the gradients.
+    ``tile_bound`` covers the non-ignored tokens only (see :func:`cce.lse_forward.lse_forward`),
+    so ignored tokens (a masked prompt) do not keep tiles live. An ignored token whose
+    probabilities do carry a gradient (through the returned LSE, ``prob_scale != 0``) is not
+    covered: its whole token block stays live. Tiles that hold a token's target are always live
+    (their gradient has the -1 of the target). A NaN bound or LSE keeps the tile live, so NaN
+    inputs still reach the gradients.
     """
-    num_token_blocks = tile_max.shape[0]
+    num_token_blocks = tile_bound.shape[0]
     padding = num_token_blocks * block_tokens - lse.shape[0]
 
-    def per_block(values: torch.Tensor, fill: float) -> torch.Tensor:
-        padded = torch.nn.functional.pad(values, (0, padding), value=fill)
-        return padded.view(num_token_blocks, block_tokens)
+    def any_per_block(rows: torch.Tensor) -> torch.Tensor:
+        padded = torch.nn.functional.pad(rows.float(), (0, padding))
+        return padded.view(num_token_blocks, block_tokens).amax(dim=1) > 0
 
-    min_lse = per_block(torch.where(prob_scale != 0, lse, math.inf), math.inf).amin(dim=1)
-    live = ~(tile_max - min_lse[:, None] < math.log(filter_eps))
-    uncovered = per_block(((targets < 0) & (prob_scale != 0)).float(), 0.0).amax(dim=1) > 0
+    live = ~(tile_bound < math.log(filter_eps))
+    uncovered = any_per_block(((targets < 0) & (prob_scale != 0)) | lse.isnan())
     live |= uncovered[:, None]
 
     valid = targets >= 0

@@ -17,8 +17,8 @@ Measured:
    order and sorted by average logit (``cce.vocab_order.vocab_order``). Square tiles: the paper's
    Alg. 3 tiles both dimensions, and 128 x 128 is exactly the live-tile grid of cce's backward
    for 16-bit inputs on GPU (``cce.config``); the sweep shows how quickly sparsity is lost as
-   tiles grow. At 128 x 128 also cce's own table (``cce.vocab_order.live_tiles``: a bound from
-   each tile's largest logit and its rows' smallest LSE, plus every tile holding a target).
+   tiles grow. At 128 x 128 also cce's own table (``cce.vocab_order.live_tiles``: the forward's
+   per-row bound on each tile's largest probability, plus every tile holding a target).
 4. All of it for the prompt and the response tokens apart (the row's target is a prompt or a
    response token), each group's rows taken consecutively, as if only they were in the batch;
    and the response rows in place among ignored prompt rows, as prompt-masked training has them.
@@ -47,7 +47,7 @@ EPS = 2.0**-12  # cce's filter_eps for bfloat16: finfo(bfloat16).eps / 32
 BLOCK = 16  # vocabulary granularity of the stored per-row maxima: the smallest tile width
 TILE_SIZES = (16, 32, 64, 128, 256)
 CCE_TILE = 128  # cce.config's live_grid for 16-bit inputs on GPU: 128 tokens x 128 vocabulary
-CCE_FORWARD_TILE_VOCAB = 256  # its forward tiles: one recorded maximum per 128 x 256 logits
+CCE_FORWARD_TILE_VOCAB = 256  # its forward tiles: one recorded bound per 128 x 256 logits
 ROW_CHUNK = 256  # rows of float32 logits at a time: 256 x 262144 x 4 B = 256 MiB
 QUICK_TOKENS = 4096
 FULL_TOKENS = 16384
@@ -62,7 +62,8 @@ class SoftmaxSparsity:
     Every tensor is on the CPU. ``block_max[order][i, j]`` is the largest logit of row ``i`` in
     the ``j``-th run of ``BLOCK`` vocabulary entries taken in that order (the last run padded
     with -inf): a tile holds an entry >= eps exactly when one of its rows has
-    ``exp(block_max - lse) >= eps`` in one of its blocks.
+    ``exp(block_max - lse) >= eps`` in one of its blocks. ``block_lse`` is the log-sum-exp of
+    the same runs (what the forward's running LSE adds up).
     """
 
     eps: float
@@ -71,6 +72,8 @@ class SoftmaxSparsity:
     counts: torch.Tensor  # (N,) int64: softmax entries >= eps per row
     kept_mass: torch.Tensor  # (N,) float32: sum of the row's entries >= eps
     block_max: dict[str, torch.Tensor]  # order -> (N, ceil(V / BLOCK)) float32
+    block_lse: dict[str, torch.Tensor]  # order -> (N, ceil(V / BLOCK)) float32
+    target_logit: torch.Tensor  # (N,) float32, -inf where ignored
     sorted_probability_sum: dict[str, torch.Tensor]  # group -> (V,) float64, decreasing rank
     groups: dict[str, torch.Tensor]  # name -> (N,) bool
     targets: torch.Tensor  # (N,) int64, -100 where ignored
@@ -104,8 +107,9 @@ class SoftmaxSparsity:
         Otherwise every row stays in place and the rows outside the group have no gradient, as
         the prompt rows of prompt-masked training (targets -100).
         """
-        block_max, lse, member, _ = self._tiled_rows(order, group, compact)
-        probability_max = torch.exp(block_max - lse[:, None]) * member[:, None]
+        rows, member = self._tiled_rows(group, compact)
+        probability_max = (torch.exp(self.block_max[order][rows] - self.lse[rows, None])
+                           * member[:, None])
         return _tile_max(probability_max, tile, _blocks_per_tile(tile)).ge(self.eps)
 
     def live_tile_fraction(self, tile: int, order: str, group: str = "all",
@@ -118,19 +122,30 @@ class SoftmaxSparsity:
                       forward_tile_vocab: int = CCE_FORWARD_TILE_VOCAB) -> torch.Tensor:
         """The tiles that cce's backward computes: its live-tile table
         (``cce.vocab_order.live_tiles``), built as cce builds it for a loss over the group's
-        rows. Its bound, exp(largest logit of the forward tile (``tile`` x
-        ``forward_tile_vocab``) that holds the tile - smallest LSE of its rows), keeps every
-        tile with an entry >= eps live, and more; tiles holding a target are live too. Rows
-        outside the group (``compact=False``) are ignored tokens: cce leaves them out of the
-        maxima and the bound."""
-        block_max, lse, member, targets = self._tiled_rows(order, group, compact)
+        rows. Its bound on the probabilities of a forward tile (``tile`` x
+        ``forward_tile_vocab``) is the largest, over the tile's rows, of exp(the row's largest
+        logit in the tile - a lower bound of its LSE): the larger of its target's logit and the
+        log-sum-exp of its logits up to the tile's end, as one forward program per token block
+        would have them (on a GPU several programs share a block's vocabulary and each also reads
+        what the others have merged: a bound of about the same tightness). It keeps every tile
+        with an entry >= eps live, and more; tiles holding a target are live too. Rows outside
+        the group (``compact=False``) are ignored tokens: cce leaves them out of the bounds."""
+        rows, member = self._tiled_rows(group, compact)
         in_group = member.bool()
-        forward_max = _tile_max(block_max.masked_fill(~in_group[:, None], -math.inf), tile,
-                                _blocks_per_tile(forward_tile_vocab))
-        live_blocks = -(-block_max.shape[1] // _blocks_per_tile(tile))
-        tile_max = forward_max.repeat_interleave(forward_tile_vocab // tile,
-                                                 dim=1)[:, :live_blocks]
-        table = live_tiles(tile_max, lse, member, torch.where(in_group, targets, IGNORE_INDEX),
+        per_tile = _blocks_per_tile(forward_tile_vocab)
+        block_max, block_lse = self.block_max[order][rows], self.block_lse[order][rows]
+        forward_row_max = _tile_max(block_max, 1, per_tile)
+        blocks = block_lse.shape[1]
+        tile_ends = torch.arange(per_tile - 1, forward_row_max.shape[1] * per_tile, per_tile)
+        lse_so_far = torch.logcumsumexp(block_lse, dim=1)[:, tile_ends.clamp(max=blocks - 1)]
+        lse_lower = torch.maximum(lse_so_far, self.target_logit[rows][:, None])
+        row_bound = (forward_row_max - lse_lower).masked_fill(~in_group[:, None], -math.inf)
+        forward_bound = _tile_max(row_bound, tile, 1)
+        live_blocks = -(-blocks // _blocks_per_tile(tile))
+        tile_bound = forward_bound.repeat_interleave(forward_tile_vocab // tile,
+                                                    dim=1)[:, :live_blocks]
+        targets = torch.where(in_group, self.targets[rows], IGNORE_INDEX)
+        table = live_tiles(tile_bound, self.lse[rows], member, targets,
                            self.order if order == "sorted" else None, tile, tile, self.eps)
         return table.ne(0)
 
@@ -139,14 +154,13 @@ class SoftmaxSparsity:
         """Fraction of the tiles of :meth:`cce_live_grid` that are live."""
         return float(self.cce_live_grid(order, group, tile, compact).float().mean())
 
-    def _tiled_rows(self, order: str, group: str, compact: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(block maxima, LSE, 1.0 for the group's rows else 0.0, targets) of the rows to tile."""
+    def _tiled_rows(self, group: str, compact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(which rows to tile, as a boolean mask; 1.0 for the group's rows among them, else
+        0.0): the group's rows alone when ``compact``, else every row."""
         if compact:
             rows = self.groups[group]
-            return (self.block_max[order][rows], self.lse[rows], torch.ones(int(rows.sum())),
-                    self.targets[rows])
-        return self.block_max[order], self.lse, self.groups[group].float(), self.targets
+            return rows, torch.ones(int(rows.sum()))
+        return torch.ones_like(self.groups[group]), self.groups[group].float()
 
     def live_rows_by_block(self, order: str, group: str = "all") -> torch.Tensor:
         """(ceil(V / BLOCK),) fraction of the group's rows with an entry >= eps in each block."""
@@ -170,13 +184,20 @@ def analyze(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     c32 = c.float()
     lse, counts, kept_mass = [], [], []
     block_max: dict[str, list[torch.Tensor]] = {name: [] for name in ORDERS}
+    block_lse: dict[str, list[torch.Tensor]] = {name: [] for name in ORDERS}
+    target_logit = []
     curve_sum = {name: torch.zeros(vocab_size, dtype=torch.float64) for name in groups}
     with torch.no_grad():
         for start in range(0, num_rows, row_chunk):
             logits = e[start:start + row_chunk].float() @ c32.T
             row_lse = torch.logsumexp(logits, dim=1)
-            block_max["natural"].append(_block_max(logits).cpu())
-            block_max["sorted"].append(_block_max(logits[:, order.long()]).cpu())
+            for name, ordered in (("natural", logits), ("sorted", logits[:, order.long()])):
+                block_max[name].append(_block_max(ordered).cpu())
+                block_lse[name].append(_block_lse(ordered).cpu())
+            chunk_targets = targets[start:start + row_chunk].to(logits.device)
+            target_logit.append(torch.where(
+                chunk_targets >= 0, logits.gather(1, chunk_targets.clamp(min=0)[:, None])[:, 0],
+                -math.inf).cpu())
             # exp is monotone: sorting logits sorts probabilities, in the same float32 values.
             probabilities = torch.exp(_sort_ascending(logits) - row_lse[:, None])
             del logits  # one fewer (chunk, V) float32 buffer alive at a time
@@ -190,6 +211,8 @@ def analyze(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     return SoftmaxSparsity(eps=eps, vocab_size=vocab_size, lse=torch.cat(lse),
                            counts=torch.cat(counts), kept_mass=torch.cat(kept_mass),
                            block_max={name: torch.cat(parts) for name, parts in block_max.items()},
+                           block_lse={name: torch.cat(parts) for name, parts in block_lse.items()},
+                           target_logit=torch.cat(target_logit),
                            sorted_probability_sum=curve_sum, groups=groups,
                            targets=targets.cpu().long(), order=order.cpu())
 
@@ -389,10 +412,21 @@ def _blocks_per_tile(tile: int) -> int:
     return tile // BLOCK
 
 
-def _block_max(logits: torch.Tensor) -> torch.Tensor:
-    """(rows, ceil(V / BLOCK)) maxima of consecutive runs of BLOCK columns, padded with -inf."""
+def _blocks(logits: torch.Tensor) -> torch.Tensor:
+    """(rows, ceil(V / BLOCK), BLOCK) view of consecutive runs of BLOCK columns, padded with
+    -inf."""
     padded = torch.nn.functional.pad(logits, (0, (-logits.shape[1]) % BLOCK), value=-math.inf)
-    return padded.view(logits.shape[0], -1, BLOCK).amax(dim=2)
+    return padded.view(logits.shape[0], -1, BLOCK)
+
+
+def _block_max(logits: torch.Tensor) -> torch.Tensor:
+    """(rows, ceil(V / BLOCK)) maxima of consecutive runs of BLOCK columns."""
+    return _blocks(logits).amax(dim=2)
+
+
+def _block_lse(logits: torch.Tensor) -> torch.Tensor:
+    """(rows, ceil(V / BLOCK)) log-sum-exp of consecutive runs of BLOCK columns."""
+    return torch.logsumexp(_blocks(logits), dim=2)
 
 
 def _tile_max(values: torch.Tensor, rows_per_tile: int, blocks_per_tile: int) -> torch.Tensor:

