@@ -1,6 +1,6 @@
 """Block sizes and launch settings of every kernel, in one place.
 
-``live_grid`` is the tile grid of the backward: the forward records one maximum per tile of it
+``live_grid`` is the tile grid of the backward: the forward records one bound per tile of it
 (its own tiles are whole rows of the grid), the backward recomputes, stores and multiplies whole
 tiles of it.
 

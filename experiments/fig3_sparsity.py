@@ -154,13 +154,15 @@ class SoftmaxSparsity:
         """Fraction of the tiles of :meth:`cce_live_grid` that are live."""
         return float(self.cce_live_grid(order, group, tile, compact).float().mean())
 
-    def _tiled_rows(self, group: str, compact: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(which rows to tile, as a boolean mask; 1.0 for the group's rows among them, else
-        0.0): the group's rows alone when ``compact``, else every row."""
+    def _tiled_rows(self, group: str, compact: bool
+                    ) -> tuple[torch.Tensor | slice, torch.Tensor]:
+        """(which rows to tile, as an index; 1.0 for the group's rows among them, else 0.0): the
+        group's rows alone when ``compact`` (a boolean mask), else every row (a slice, so that
+        the per-row tables are views, not copies)."""
         if compact:
             rows = self.groups[group]
             return rows, torch.ones(int(rows.sum()))
-        return torch.ones_like(self.groups[group]), self.groups[group].float()
+        return slice(None), self.groups[group].float()
 
     def live_rows_by_block(self, order: str, group: str = "all") -> torch.Tensor:
         """(ceil(V / BLOCK),) fraction of the group's rows with an entry >= eps in each block."""
