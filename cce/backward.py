@@ -30,6 +30,7 @@ from cce.gradient_tiles import gradient_tiles
 from cce.scratch import Scratch, rows_can_hold_segments
 from cce.sparse_tile_matmul import (gradient_times_classifier, gradient_times_embeddings,
                                     product_programs_per_block)
+from cce.vocab_order import target_positions
 
 
 def linear_cross_entropy_backward(
@@ -52,9 +53,11 @@ def linear_cross_entropy_backward(
               if needs_grad_c else None)
     grad_bias = torch.empty_like(bias) if needs_grad_c and bias is not None else None
 
+    positions = target_positions(targets, vocab_order)
+
     def recompute(scratch: Scratch, token_blocks: range, vocab_blocks: range,
                   skippable: Optional[torch.Tensor]) -> None:
-        gradient_tiles(e, c, targets, bias, softcap, lse, prob_scale, target_scale, vocab_order,
+        gradient_tiles(e, c, positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
                        skippable, filter_eps, flags, scratch, token_blocks, vocab_blocks)
 
     grad_e = None

@@ -23,7 +23,7 @@ from cce.scratch import Scratch, segment_offsets
 
 @triton.jit
 def gradient_tiles_kernel(
-    e_ptr, c_ptr, bias_ptr, targets_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
+    e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
     vocab_order_ptr, live_tiles_ptr, flags_ptr, scratch_ptr, pages_ptr,
     num_tokens, vocab_size, dim, num_vocab_blocks,
     first_token_block, first_vocab_block, chunk_token_blocks, chunk_vocab_blocks,
@@ -47,19 +47,22 @@ def gradient_tiles_kernel(
     if live:
         rows = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
         row_mask = rows < num_tokens
+        # Where the tile goes, looked up before the tile is computed: afterwards the lookup
+        # competes with the tile for registers.
+        chunk_rows = chunk_token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        offsets = segment_offsets(pages_ptr, chunk_rows, row_mask, chunk_vocab_block,
+                                  chunk_vocab_blocks, segments_per_page, page_stride,
+                                  BLOCK_VOCAB)
+        positions = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
         vocab, vocab_mask = vocab_block_entries(
             vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
         grad, keep = logit_gradient_tile(
-            e_ptr, c_ptr, bias_ptr, targets_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
-            rows, row_mask, vocab, vocab_mask, dim,
+            e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr,
+            target_scale_ptr, rows, row_mask, positions, vocab, vocab_mask, dim,
             stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
             HAS_BIAS, HAS_SOFTCAP, FILTER, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
         )
         if keep:
-            chunk_rows = chunk_token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-            offsets = segment_offsets(pages_ptr, chunk_rows, row_mask, chunk_vocab_block,
-                                      chunk_vocab_blocks, segments_per_page, page_stride,
-                                      BLOCK_VOCAB)
             tl.store(scratch_ptr + offsets, round_to(grad, scratch_ptr.dtype.element_ty,
                                                      DOT_PRECISION), mask=row_mask[:, None])
             tl.store(flag_ptr, 1)
@@ -69,19 +72,21 @@ def gradient_tiles_kernel(
         tl.store(flag_ptr, 0)
 
 
-def gradient_tiles(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+def gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Tensor,
                    bias: Optional[torch.Tensor], softcap: Optional[float], lse: torch.Tensor,
                    prob_scale: torch.Tensor, target_scale: torch.Tensor,
                    vocab_order: Optional[torch.Tensor], live_tiles: Optional[torch.Tensor],
                    filter_eps: Optional[float], flags: torch.Tensor, scratch: Scratch,
                    token_blocks: range, vocab_blocks: range) -> None:
     """Store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks) in
-    ``scratch`` and set their ``flags`` (int32, one per live-grid tile: 1 = stored)."""
+    ``scratch`` and set their ``flags`` (int32, one per live-grid tile: 1 = stored).
+    ``target_positions``: see :func:`cce.vocab_order.target_positions`."""
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
     grid, config = configs.live_grid, configs.gradient_tiles
     gradient_tiles_kernel[(len(token_blocks) * len(vocab_blocks),)](
-        e, c, bias, targets, lse, prob_scale, target_scale, vocab_order, live_tiles, flags,
+        e, c, bias, target_positions, lse, prob_scale, target_scale, vocab_order, live_tiles,
+        flags,
         scratch.buffer, scratch.pages,
         num_tokens, c.shape[0], dim, flags.shape[1],
         token_blocks.start, vocab_blocks.start, len(token_blocks), len(vocab_blocks),

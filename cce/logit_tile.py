@@ -81,14 +81,15 @@ def logit_tile(
 
 @triton.jit
 def logit_gradient_tile(
-    e_ptr, c_ptr, bias_ptr, targets_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
-    rows, row_mask, vocab, vocab_mask, dim,
+    e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
+    rows, row_mask, positions, vocab, vocab_mask, dim,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Recompute one tile and return (gradient of the pre-softcap logits in float32, keep).
+    ``positions``: the tile's vocabulary positions (``vocab`` = the entries at them).
 
     The gradient is ``prob_scale[i] * softmax_ij - target_scale[i] * [j == x_i]``, times the
     softcap derivative. ``keep`` is False when gradient filtering proves the tile negligible:
@@ -102,11 +103,13 @@ def logit_gradient_tile(
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     prob_scale = tl.load(prob_scale_ptr + rows, mask=row_mask, other=0.0)
     target_scale = tl.load(target_scale_ptr + rows, mask=row_mask, other=0.0)
-    targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
+    target_positions = tl.load(target_positions_ptr + rows, mask=row_mask, other=-1)
 
     live = (prob_scale != 0.0)[:, None] & vocab_mask[None, :]
     probs = tl.where(live, tl.exp(logits - lse[:, None]), 0.0)
-    is_target = (vocab[None, :] == targets[:, None]) & vocab_mask[None, :]
+    # Targets are found by position, not by vocabulary index: positions are a range, which
+    # the compiler rebuilds from the thread index instead of holding it in registers.
+    is_target = positions[None, :] == target_positions[:, None]
     keep = True
     if FILTER:
         # Entries of S - onehot; the NaN test keeps NaN inputs propagating as in PyTorch.

@@ -26,7 +26,9 @@ def segment_offsets(pages_ptr, rows, row_mask, vocab_block, chunk_vocab_blocks,
                     segments_per_page, page_stride, BLOCK_VOCAB: tl.constexpr):
     """Element offsets of the (rows x BLOCK_VOCAB) piece of one vocabulary block of a chunk;
     ``rows`` are token rows within the chunk."""
-    segment = rows.to(tl.int64) * chunk_vocab_blocks + vocab_block
+    # 32-bit segment numbers (a scratch holds fewer than 2**31 segments): a 64-bit division per
+    # row costs the recompute kernel enough registers to spill.
+    segment = rows * chunk_vocab_blocks + vocab_block
     page = tl.load(pages_ptr + segment // segments_per_page, mask=row_mask, other=0)
     start = page.to(tl.int64) * page_stride + (segment % segments_per_page) * BLOCK_VOCAB
     return start[:, None] + tl.arange(0, BLOCK_VOCAB)[None, :]
@@ -40,6 +42,11 @@ class Scratch:
     pages: torch.Tensor  # int32 page indices, in the order segments fill them
     segments_per_page: int
     page_stride: int
+
+    def __post_init__(self):
+        if self.segments >= 2**31:
+            raise ValueError(f"a scratch of {self.segments} segments: the kernels number "
+                             "segments with 32-bit integers")
 
     @property
     def segments(self) -> int:

@@ -27,6 +27,19 @@ def vocab_order(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     return torch.argsort(average_logit.float(), descending=True).to(torch.int32)
 
 
+def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor]) -> torch.Tensor:
+    """int32 (N,) position of each token's target in the vocabulary order (the target itself
+    without sorting), -1 for ignored tokens."""
+    valid = targets >= 0
+    positions = targets.clamp(min=0)
+    if vocab_order is not None:
+        position_of = torch.empty_like(vocab_order)
+        position_of[vocab_order.long()] = torch.arange(vocab_order.shape[0], dtype=torch.int32,
+                                                       device=vocab_order.device)
+        positions = position_of[positions]
+    return torch.where(valid, positions, -1).to(torch.int32)
+
+
 def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
                targets: torch.Tensor, vocab_order: Optional[torch.Tensor], block_tokens: int,
                block_vocab: int, filter_eps: float) -> torch.Tensor:
@@ -52,14 +65,8 @@ def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Te
     live |= uncovered[:, None]
 
     valid = targets >= 0
-    target_position = targets.clamp(min=0)
-    if vocab_order is not None:
-        position_of = torch.empty_like(vocab_order)
-        position_of[vocab_order.long()] = torch.arange(vocab_order.shape[0], dtype=torch.int32,
-                                                       device=vocab_order.device)
-        target_position = position_of[target_position].long()
+    target_block = target_positions(targets, vocab_order).clamp(min=0).long() // block_vocab
     token_block = torch.arange(targets.shape[0], device=targets.device) // block_tokens
     live = live.to(torch.int32)  # counts: a scatter of booleans would race on duplicates
-    live.index_put_((token_block, target_position // block_vocab), valid.to(torch.int32),
-                    accumulate=True)
+    live.index_put_((token_block, target_block), valid.to(torch.int32), accumulate=True)
     return live
