@@ -24,12 +24,12 @@ from typing import Optional
 import torch
 import triton
 
-from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, spare_scratch_bytes,
-                        whole_waves)
+from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, sm_utilization,
+                        spare_scratch_bytes, whole_waves)
 from cce.gradient_tiles import gradient_tiles
 from cce.scratch import Scratch, rows_can_hold_segments
-from cce.sparse_tile_matmul import (gradient_times_classifier, gradient_times_embeddings,
-                                    product_programs_per_block)
+from cce.sparse_tile_matmul import (embeddings_product_programs, gradient_times_classifier,
+                                    gradient_times_embeddings, product_programs_per_block)
 from cce.vocab_order import target_positions
 
 
@@ -66,13 +66,14 @@ def linear_cross_entropy_backward(
         scratch = _embeddings_pass_scratch(grad_c, e, num_vocab_blocks, grid.block_tokens,
                                            grid.block_vocab)
         row_segments = grid.block_tokens * num_vocab_blocks  # one token block, every vocab block
-        chunk = whole_waves(min(num_token_blocks, scratch.segments // row_segments),
-                            product_programs_per_block(dim, e.dtype), e.device)
+        chunk = _embeddings_chunk(scratch, num_token_blocks, row_segments, dim, e.dtype,
+                                  e.device)
+        room = _room_after(scratch, chunk * row_segments)
         for first in range(0, num_token_blocks, chunk):
             token_blocks = range(first, min(first + chunk, num_token_blocks))
             recompute(scratch, token_blocks, range(num_vocab_blocks), live_tiles)
-            gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e, token_blocks)
-        del scratch
+            gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e, token_blocks, room)
+        del scratch, room
 
     if needs_grad_c:
         # Pass 1 filtered every tile exactly: its flags skip more than the forward's bound.
@@ -113,8 +114,7 @@ def _embeddings_pass_scratch(grad_c: Optional[torch.Tensor], e: torch.Tensor,
     (dC not needed, or too small)."""
     row_segments = block_tokens * num_vocab_blocks
     if grad_c is not None and rows_can_hold_segments(grad_c, block_vocab):
-        rows = torch.arange(grad_c.shape[0], dtype=torch.int32, device=grad_c.device)
-        scratch = Scratch.in_rows(grad_c, rows, block_vocab)
+        scratch = Scratch.in_all_rows(grad_c, block_vocab)
         if scratch.segments >= row_segments:
             return scratch
     segments = max(row_segments,
@@ -122,6 +122,35 @@ def _embeddings_pass_scratch(grad_c: Optional[torch.Tensor], e: torch.Tensor,
                    * row_segments)
     segments = min(segments, triton.cdiv(e.shape[0], block_tokens) * row_segments)
     return Scratch.dedicated(segments, block_vocab, e.dtype, e.device)
+
+
+def _embeddings_chunk(scratch: Scratch, num_token_blocks: int, row_segments: int, dim: int,
+                      dtype: torch.dtype, device: torch.device) -> int:
+    """Token blocks per chunk of pass 1: as many as the scratch holds, trimmed to whole waves of
+    the product; or one less, when the room that frees in the scratch lets a split product fill
+    the SMs better (small D: dC then holds few token blocks, and their product few programs)."""
+    most = whole_waves(min(num_token_blocks, scratch.segments // row_segments),
+                       product_programs_per_block(dim, dtype), device)
+    if most == 1:
+        return most
+
+    def utilization(blocks: int) -> float:
+        room_bytes = (scratch.segments - blocks * row_segments) * scratch.segment_bytes
+        return sm_utilization(
+            embeddings_product_programs(blocks, dim, dtype, device, room_bytes), device)
+
+    return most - 1 if utilization(most - 1) > utilization(most) else most
+
+
+def _room_after(scratch: Scratch, used_segments: int) -> Optional[torch.Tensor]:
+    """The scratch after its first ``used_segments``, as float32, when its segments lie in order
+    in its buffer (None otherwise)."""
+    if not scratch.in_order:
+        return None
+    start = used_segments * scratch.segment_elements
+    end = scratch.segments * scratch.segment_elements
+    end -= (end - start) % 2  # whole float32 words
+    return scratch.buffer[start:end].view(torch.float32) if end > start else None
 
 
 def _classifier_chunk_width(first: int, num_tokens: int, vocab_size: int, dim: int,

@@ -104,18 +104,29 @@ def forward_vocab_splits(num_token_blocks: int, num_vocab_blocks: int, device: t
 
 
 # Split a product's lists among more programs while it has fewer than this many per SM, within
-# a memory budget for the float32 partial sums (part of the backward's 16 MB of slack).
+# a memory budget for the float32 partial sums (part of the backward's 16 MB of slack), or
+# within memory the backward owns anyway when it has some to spare (``room_bytes``).
 _PRODUCT_PROGRAMS_PER_SM = 2
 _PARTIAL_SUM_BYTES = 8 * 2**20
 
 
-def split_count(programs: int, bytes_per_split: int, device: torch.device) -> int:
+def split_count(programs: int, bytes_per_split: int, device: torch.device,
+                room_bytes: int = 0) -> int:
     """How many programs share each output block of a backward product (split-K)."""
     if interpreting():
         return 2 if programs < 4 else 1  # still exercises the partial sums
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     wanted = _PRODUCT_PROGRAMS_PER_SM * sm_count // programs
-    return max(1, min(wanted, _PARTIAL_SUM_BYTES // bytes_per_split))
+    return max(1, min(wanted, max(_PARTIAL_SUM_BYTES, room_bytes) // bytes_per_split))
+
+
+def sm_utilization(programs: int, device: torch.device) -> float:
+    """Fraction of the SMs busy over the waves of a launch of ``programs`` equal programs, one
+    per SM at a time (the products hold a whole SM's shared memory)."""
+    if interpreting():
+        return 1.0
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    return programs / (-(-programs // sm_count) * sm_count)
 
 
 # Pass 2 of the backward stores its chunks in the free rows of dC; once fewer rows are free

@@ -42,6 +42,8 @@ class Scratch:
     pages: torch.Tensor  # int32 page indices, in the order segments fill them
     segments_per_page: int
     page_stride: int
+    segment_elements: int  # BLOCK_VOCAB
+    in_order: bool = False  # segment s starts at element s * segment_elements of the buffer
 
     def __post_init__(self):
         if self.segments >= 2**31:
@@ -52,10 +54,22 @@ class Scratch:
     def segments(self) -> int:
         return self.pages.shape[0] * self.segments_per_page
 
+    @property
+    def segment_bytes(self) -> int:
+        return self.segment_elements * self.buffer.element_size()
+
     @staticmethod
     def in_rows(matrix: torch.Tensor, rows: torch.Tensor, block_vocab: int) -> "Scratch":
         """Pages = the given rows of ``matrix`` (e.g. rows of dC not written yet)."""
-        return Scratch(matrix.view(-1), rows, matrix.shape[1] // block_vocab, matrix.shape[1])
+        return Scratch(matrix.view(-1), rows, matrix.shape[1] // block_vocab, matrix.shape[1],
+                       block_vocab)
+
+    @staticmethod
+    def in_all_rows(matrix: torch.Tensor, block_vocab: int) -> "Scratch":
+        """Pages = every row of ``matrix``, in order."""
+        rows = torch.arange(matrix.shape[0], dtype=torch.int32, device=matrix.device)
+        return Scratch(matrix.view(-1), rows, matrix.shape[1] // block_vocab, matrix.shape[1],
+                       block_vocab, in_order=True)
 
     @staticmethod
     def dedicated(segments: int, block_vocab: int, dtype: torch.dtype,
@@ -63,7 +77,7 @@ class Scratch:
         """A buffer of its own, one segment per page."""
         buffer = torch.empty(segments * block_vocab, dtype=dtype, device=device)
         pages = torch.arange(segments, dtype=torch.int32, device=device)
-        return Scratch(buffer, pages, 1, block_vocab)
+        return Scratch(buffer, pages, 1, block_vocab, block_vocab, in_order=True)
 
 
 def rows_can_hold_segments(matrix: torch.Tensor, block_vocab: int) -> bool:

@@ -116,11 +116,12 @@ def live_lists(flags: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
 
 def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Tensor,
                               vocab_order: Optional[torch.Tensor], grad_e: torch.Tensor,
-                              token_blocks: range) -> None:
-    """``grad_e[rows of token_blocks] = G @ c`` for a chunk of whole rows of the tile grid."""
+                              token_blocks: range, room: Optional[torch.Tensor] = None) -> None:
+    """``grad_e[rows of token_blocks] = G @ c`` for a chunk of whole rows of the tile grid.
+    ``room``: free float32 memory for the partial sums of a split product."""
     lists, counts = live_lists(flags[token_blocks.start:token_blocks.stop])
     _launch(scratch, lists, counts, c, vocab_order, grad_e, None, token_blocks.start,
-            flags.shape[1], transposed=False)
+            flags.shape[1], transposed=False, room=room)
 
 
 def gradient_times_classifier(scratch: Scratch, flags: torch.Tensor, e: torch.Tensor,
@@ -144,20 +145,32 @@ def product_programs_per_block(dim: int, dtype: torch.dtype) -> int:
     return triton.cdiv(dim, _block_out(dim, dtype))
 
 
+def embeddings_product_programs(token_blocks: int, dim: int, dtype: torch.dtype,
+                                device: torch.device, room_bytes: int = 0) -> int:
+    """Programs of the dE product of a chunk of ``token_blocks``, splits included."""
+    programs = token_blocks * product_programs_per_block(dim, dtype)
+    rows = token_blocks * kernel_configs(dtype).live_grid.block_tokens
+    return programs * split_count(programs, rows * dim * 4, device, room_bytes)
+
+
 def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor, operand: torch.Tensor,
             vocab_order: Optional[torch.Tensor], out: torch.Tensor,
             grad_bias: Optional[torch.Tensor], first_block: int, chunk_vocab_blocks: int,
-            transposed: bool) -> None:
+            transposed: bool, room: Optional[torch.Tensor] = None) -> None:
     configs = kernel_configs(operand.dtype)
     grid, config = configs.live_grid, configs.sparse_tile_matmul
     dim = operand.shape[1]
     num_out_blocks = lists.shape[0]
     programs = num_out_blocks * product_programs_per_block(dim, operand.dtype)
     rows = num_out_blocks * grid.block_tokens
-    splits = 1 if transposed else split_count(programs, rows * dim * 4, out.device)
+    room_bytes = room.numel() * 4 if room is not None else 0
+    splits = 1 if transposed else split_count(programs, rows * dim * 4, out.device, room_bytes)
     partial = None
     if splits > 1:
-        partial = torch.empty((splits, rows, dim), dtype=torch.float32, device=out.device)
+        if splits * rows * dim * 4 <= room_bytes:
+            partial = room[:splits * rows * dim].view(splits, rows, dim)
+        else:
+            partial = torch.empty((splits, rows, dim), dtype=torch.float32, device=out.device)
     num_tokens = out.shape[0] if not transposed else operand.shape[0]
     vocab_size = out.shape[0] if transposed else operand.shape[0]
     sparse_tile_matmul_kernel[(programs * splits,)](
