@@ -26,9 +26,7 @@ def segment_offsets(pages_ptr, rows, row_mask, vocab_block, chunk_vocab_blocks,
                     segments_per_page, page_stride, BLOCK_VOCAB: tl.constexpr):
     """Element offsets of the (rows x BLOCK_VOCAB) piece of one vocabulary block of a chunk;
     ``rows`` are token rows within the chunk."""
-    # 32-bit segment numbers (a scratch holds fewer than 2**31 segments): a 64-bit division per
-    # row costs the recompute kernel enough registers to spill.
-    segment = rows * chunk_vocab_blocks + vocab_block
+    segment = rows.to(tl.int64) * chunk_vocab_blocks + vocab_block
     page = tl.load(pages_ptr + segment // segments_per_page, mask=row_mask, other=0)
     start = page.to(tl.int64) * page_stride + (segment % segments_per_page) * BLOCK_VOCAB
     return start[:, None] + tl.arange(0, BLOCK_VOCAB)[None, :]
@@ -44,11 +42,6 @@ class Scratch:
     page_stride: int
     segment_elements: int  # BLOCK_VOCAB
     in_order: bool = False  # segment s starts at element s * segment_elements of the buffer
-
-    def __post_init__(self):
-        if self.segments >= 2**31:
-            raise ValueError(f"a scratch of {self.segments} segments: the kernels number "
-                             "segments with 32-bit integers")
 
     @property
     def segments(self) -> int:
