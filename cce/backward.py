@@ -30,18 +30,19 @@ from cce.gradient_tiles import gradient_tiles
 from cce.scratch import Scratch, rows_can_hold_segments
 from cce.sparse_tile_matmul import (embeddings_product_programs, gradient_times_classifier,
                                     gradient_times_embeddings, product_programs_per_block)
-from cce.vocab_order import target_positions
 
 
 def linear_cross_entropy_backward(
-    e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, bias: Optional[torch.Tensor],
-    softcap: Optional[float], lse: torch.Tensor, prob_scale: torch.Tensor,
+    e: torch.Tensor, c: torch.Tensor, target_positions: torch.Tensor,
+    bias: Optional[torch.Tensor], softcap: Optional[float], lse: torch.Tensor,
+    prob_scale: torch.Tensor,
     target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
     live_tiles: Optional[torch.Tensor], filter_eps: Optional[float], needs_grad_e: bool,
     needs_grad_c: bool,
 ) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
-    """(dE, dC, dbias), each None when not needed. ``live_tiles``: the live-grid table of tiles
-    that may hold a significant entry (None: every tile may)."""
+    """(dE, dC, dbias), each None when not needed. ``target_positions``: see
+    :func:`cce.vocab_order.target_positions`; ``live_tiles``: the live-grid table of tiles that
+    may hold a significant entry (None: every tile may)."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     grid = kernel_configs(e.dtype).live_grid
@@ -53,12 +54,11 @@ def linear_cross_entropy_backward(
               if needs_grad_c else None)
     grad_bias = torch.empty_like(bias) if needs_grad_c and bias is not None else None
 
-    positions = target_positions(targets, vocab_order)
-
     def recompute(scratch: Scratch, token_blocks: range, vocab_blocks: range,
                   skippable: Optional[torch.Tensor]) -> None:
-        gradient_tiles(e, c, positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
-                       skippable, filter_eps, flags, scratch, token_blocks, vocab_blocks)
+        gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
+                       vocab_order, skippable, filter_eps, flags, scratch, token_blocks,
+                       vocab_blocks)
 
     grad_e = None
     if needs_grad_e:

@@ -10,7 +10,7 @@ from cce.backward import linear_cross_entropy_backward
 from cce.config import interpreting, kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
-from cce.vocab_order import live_tiles, vocab_order
+from cce.vocab_order import live_tiles, target_positions, vocab_order
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -41,13 +41,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
                         if grad_loss is not None else torch.zeros_like(lse))
         prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
+        positions = target_positions(targets, order)
         live = None
         if tile_bound is not None:
             grid = kernel_configs(e.dtype).live_grid
-            live = live_tiles(tile_bound, lse, prob_scale, targets, order, grid.block_tokens,
+            live = live_tiles(tile_bound, lse, prob_scale, positions, grid.block_tokens,
                               grid.block_vocab, ctx.filter_eps)
         grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
-            e, c, targets, bias, ctx.softcap, lse, prob_scale, target_scale, order, live,
+            e, c, positions, bias, ctx.softcap, lse, prob_scale, target_scale, order, live,
             ctx.filter_eps, needs_grad_e=ctx.needs_input_grad[0],
             needs_grad_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
         return grad_e, grad_c, grad_bias, None, None, None, None, None

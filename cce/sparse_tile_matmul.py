@@ -145,12 +145,20 @@ def product_programs_per_block(dim: int, dtype: torch.dtype) -> int:
     return triton.cdiv(dim, _block_out(dim, dtype))
 
 
+def _embeddings_splits(token_blocks: int, dim: int, dtype: torch.dtype, device: torch.device,
+                       room_bytes: int) -> int:
+    """Programs per output block of the dE product of ``token_blocks`` (split-K), with float32
+    partial sums of every row of the chunk for each split."""
+    programs = token_blocks * product_programs_per_block(dim, dtype)
+    rows = token_blocks * kernel_configs(dtype).live_grid.block_tokens
+    return split_count(programs, rows * dim * 4, device, room_bytes)
+
+
 def embeddings_product_programs(token_blocks: int, dim: int, dtype: torch.dtype,
                                 device: torch.device, room_bytes: int = 0) -> int:
     """Programs of the dE product of a chunk of ``token_blocks``, splits included."""
-    programs = token_blocks * product_programs_per_block(dim, dtype)
-    rows = token_blocks * kernel_configs(dtype).live_grid.block_tokens
-    return programs * split_count(programs, rows * dim * 4, device, room_bytes)
+    return (token_blocks * product_programs_per_block(dim, dtype)
+            * _embeddings_splits(token_blocks, dim, dtype, device, room_bytes))
 
 
 def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor, operand: torch.Tensor,
@@ -164,7 +172,8 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor, operand
     programs = num_out_blocks * product_programs_per_block(dim, operand.dtype)
     rows = num_out_blocks * grid.block_tokens
     room_bytes = room.numel() * 4 if room is not None else 0
-    splits = 1 if transposed else split_count(programs, rows * dim * 4, out.device, room_bytes)
+    splits = 1 if transposed else _embeddings_splits(num_out_blocks, dim, operand.dtype,
+                                                     out.device, room_bytes)
     partial = None
     if splits > 1:
         if splits * rows * dim * 4 <= room_bytes:

@@ -41,8 +41,8 @@ def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor])
 
 
 def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
-               targets: torch.Tensor, vocab_order: Optional[torch.Tensor], block_tokens: int,
-               block_vocab: int, filter_eps: float) -> torch.Tensor:
+               target_positions: torch.Tensor, block_tokens: int, block_vocab: int,
+               filter_eps: float) -> torch.Tensor:
     """int32 (token blocks, vocabulary blocks) table, 0 where no softmax entry can reach
     ``filter_eps``: the forward's log-probability bound of the tile is below log(filter_eps).
 
@@ -51,7 +51,7 @@ def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Te
     probabilities do carry a gradient (through the returned LSE, ``prob_scale != 0``) is not
     covered: its whole token block stays live. Tiles that hold a token's target are always live
     (their gradient has the -1 of the target). A NaN bound or LSE keeps the tile live, so NaN
-    inputs still reach the gradients.
+    inputs still reach the gradients. ``target_positions``: from :func:`target_positions`.
     """
     num_token_blocks = tile_bound.shape[0]
     padding = num_token_blocks * block_tokens - lse.shape[0]
@@ -61,12 +61,12 @@ def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Te
         return padded.view(num_token_blocks, block_tokens).amax(dim=1) > 0
 
     live = ~(tile_bound < math.log(filter_eps))
-    uncovered = any_per_block(((targets < 0) & (prob_scale != 0)) | lse.isnan())
+    valid = target_positions >= 0
+    uncovered = any_per_block((~valid & (prob_scale != 0)) | lse.isnan())
     live |= uncovered[:, None]
 
-    valid = targets >= 0
-    target_block = target_positions(targets, vocab_order).clamp(min=0).long() // block_vocab
-    token_block = torch.arange(targets.shape[0], device=targets.device) // block_tokens
+    target_block = target_positions.clamp(min=0).long() // block_vocab
+    token_block = torch.arange(valid.shape[0], device=valid.device) // block_tokens
     live = live.to(torch.int32)  # counts: a scatter of booleans would race on duplicates
     live.index_put_((token_block, target_block), valid.to(torch.int32), accumulate=True)
     return live

@@ -42,7 +42,7 @@ from cce.config import kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.loss import default_filter_eps
 from cce.lse_forward import lse_forward
-from cce.vocab_order import live_tiles, vocab_order
+from cce.vocab_order import live_tiles, target_positions, vocab_order
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
                                  WrittenResults, add_sections, float64_reference, measure_loss,
@@ -445,8 +445,9 @@ def cce_table_fraction(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) 
         target_logit = indexed_dot(e, c, targets, None, None)
         lse, tile_bound = lse_forward(e, c, None, None, targets, order, target_logit)
         grid = kernel_configs(e.dtype).live_grid
-        table = live_tiles(tile_bound, lse, (targets >= 0).float(), targets, order,
-                           grid.block_tokens, grid.block_vocab, eps)
+        table = live_tiles(tile_bound, lse, (targets >= 0).float(),
+                           target_positions(targets, order), grid.block_tokens,
+                           grid.block_vocab, eps)
     return float(table.ne(0).float().mean())
 
 

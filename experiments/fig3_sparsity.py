@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from cce.vocab_order import live_tiles, vocab_order
+from cce.vocab_order import live_tiles, target_positions, vocab_order
 from experiments.alpaca_data import IGNORE_INDEX
 from experiments.harness import WrittenResults, write_results
 from experiments.real_model import AlpacaBatch, alpaca_batch, load_model
@@ -145,8 +145,9 @@ class SoftmaxSparsity:
         tile_bound = forward_bound.repeat_interleave(forward_tile_vocab // tile,
                                                     dim=1)[:, :live_blocks]
         targets = torch.where(in_group, self.targets[rows], IGNORE_INDEX)
-        table = live_tiles(tile_bound, self.lse[rows], member, targets,
-                           self.order if order == "sorted" else None, tile, tile, self.eps)
+        table = live_tiles(tile_bound, self.lse[rows], member,
+                           target_positions(targets, self.order if order == "sorted" else None),
+                           tile, tile, self.eps)
         return table.ne(0)
 
     def cce_live_fraction(self, order: str, group: str = "all", tile: int = CCE_TILE,

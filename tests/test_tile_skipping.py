@@ -16,7 +16,7 @@ import torch
 from cce.config import kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
-from cce.vocab_order import live_tiles, vocab_order
+from cce.vocab_order import live_tiles, target_positions, vocab_order
 
 N, V, D = 45, 1500, 40  # not multiples of any block size
 EPS = 2.0**-12
@@ -116,8 +116,8 @@ def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: s
     lse, tile_bound = _forward_with_bounds(e, c, targets, order)
     grid = kernel_configs(e.dtype).live_grid
     valid = targets >= 0
-    live = live_tiles(tile_bound, lse, valid.float(), targets, order, grid.block_tokens,
-                      grid.block_vocab, EPS)
+    live = live_tiles(tile_bound, lse, valid.float(), target_positions(targets, order),
+                      grid.block_tokens, grid.block_vocab, EPS)
 
     sorted_logits = e.double() @ c.double()[order.long()].T
     needed = torch.exp(sorted_logits - lse.double()[:, None])
@@ -147,11 +147,12 @@ def test_ignored_rows_do_not_keep_tiles_live(gen: torch.Generator, device: str) 
     one non-ignored token."""
     e, c, grid, targets, scale = _one_token_block_with_one_target(gen, device)
     lse, tile_bound = _forward_with_bounds(e, c, targets)
-    live = live_tiles(tile_bound, lse, scale, targets, None, grid.block_tokens, grid.block_vocab,
-                      EPS)
+    live = live_tiles(tile_bound, lse, scale, target_positions(targets, None),
+                      grid.block_tokens, grid.block_vocab, EPS)
 
     first_lse, first_bound = _forward_with_bounds(e[:1], c, targets[:1])
-    expected = live_tiles(first_bound, first_lse, scale[:1], targets[:1], None, grid.block_tokens,
+    expected = live_tiles(first_bound, first_lse, scale[:1],
+                          target_positions(targets[:1], None), grid.block_tokens,
                           grid.block_vocab, EPS)
     assert torch.equal(live[0] > 0, expected[0] > 0)
     assert bool((live[0] == 0).any()), "the test needs dead tiles"
@@ -164,8 +165,8 @@ def test_ignored_row_with_lse_gradient_keeps_its_block_live(gen: torch.Generator
     e, c, grid, targets, scale = _one_token_block_with_one_target(gen, device)
     scale[1] = 0.5  # an LSE gradient on an ignored token
     lse, tile_bound = _forward_with_bounds(e, c, targets)
-    live = live_tiles(tile_bound, lse, scale, targets, None, grid.block_tokens, grid.block_vocab,
-                      EPS)
+    live = live_tiles(tile_bound, lse, scale, target_positions(targets, None),
+                      grid.block_tokens, grid.block_vocab, EPS)
     assert bool((live[0] > 0).all())
 
 
