@@ -30,7 +30,7 @@ def gradient_tiles_kernel(
     segments_per_page, page_stride,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
-    SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr,
+    SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -52,7 +52,7 @@ def gradient_tiles_kernel(
         chunk_rows = chunk_token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
         offsets = segment_offsets(pages_ptr, chunk_rows, row_mask, chunk_vocab_block,
                                   chunk_vocab_blocks, segments_per_page, page_stride,
-                                  BLOCK_VOCAB)
+                                  BLOCK_VOCAB, SCRATCH_IN_ORDER)
         positions = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
         vocab, vocab_mask = vocab_block_entries(
             vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
@@ -94,7 +94,7 @@ def gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Ten
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0, filter_eps or 0.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
         FILTER=filter_eps is not None, SORTED=vocab_order is not None,
-        SKIP_DEAD_TILES=live_tiles is not None,
+        SKIP_DEAD_TILES=live_tiles is not None, SCRATCH_IN_ORDER=scratch.in_order,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -23,12 +23,17 @@ import triton.language as tl
 
 @triton.jit
 def segment_offsets(pages_ptr, rows, row_mask, vocab_block, chunk_vocab_blocks,
-                    segments_per_page, page_stride, BLOCK_VOCAB: tl.constexpr):
+                    segments_per_page, page_stride, BLOCK_VOCAB: tl.constexpr,
+                    IN_ORDER: tl.constexpr):
     """Element offsets of the (rows x BLOCK_VOCAB) piece of one vocabulary block of a chunk;
-    ``rows`` are token rows within the chunk."""
+    ``rows`` are token rows within the chunk. ``IN_ORDER``: the scratch's segments lie in order
+    (:attr:`Scratch.in_order`), so the offsets need neither the page table nor a division."""
     segment = rows.to(tl.int64) * chunk_vocab_blocks + vocab_block
-    page = tl.load(pages_ptr + segment // segments_per_page, mask=row_mask, other=0)
-    start = page.to(tl.int64) * page_stride + (segment % segments_per_page) * BLOCK_VOCAB
+    if IN_ORDER:
+        start = segment * BLOCK_VOCAB
+    else:
+        page = tl.load(pages_ptr + segment // segments_per_page, mask=row_mask, other=0)
+        start = page.to(tl.int64) * page_stride + (segment % segments_per_page) * BLOCK_VOCAB
     return start[:, None] + tl.arange(0, BLOCK_VOCAB)[None, :]
 
 

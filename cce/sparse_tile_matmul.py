@@ -3,7 +3,8 @@ the stored logit-gradient tiles of one chunk and skipping the filtered ones.
 
 Each program owns one block of output rows (a block of the live grid) and BLOCK_OUT columns,
 and accumulates in float32 registers the products of the live tiles of its row of the grid,
-found in a list (``live_lists``: grid blocks with a stored tile first, ``live_counts`` of them).
+found in a list (:mod:`cce.live_lists`: the grid blocks with a stored tile, ``live_counts`` of
+them).
 Walking a list instead of testing every tile keeps the loop free of branches, so Triton can
 pipeline its loads. The output is written once, in its dtype: no atomics, deterministic. When
 the output has too few blocks to fill the GPU, each list is split among SPLITS programs that
@@ -25,6 +26,7 @@ import triton
 import triton.language as tl
 
 from cce.config import dot_precision, kernel_configs, split_count
+from cce.live_lists import live_lists
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
 from cce.scratch import Scratch, segment_offsets
 
@@ -36,7 +38,8 @@ def sparse_tile_matmul_kernel(
     num_tokens, vocab_size, dim, chunk_vocab_blocks, segments_per_page, page_stride,
     first_block, num_out_blocks, list_stride, stride_operand_row, stride_operand_dim,
     TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
+    SPLITS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     BLOCK_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Output blocks vary fastest: the programs in flight walk the same operand rows together.
@@ -69,7 +72,7 @@ def sparse_tile_matmul_kernel(
             token_mask = token_rows < num_tokens
             offsets = segment_offsets(pages_ptr, token_rows, token_mask, out_block,
                                       chunk_vocab_blocks, segments_per_page, page_stride,
-                                      BLOCK_VOCAB)
+                                      BLOCK_VOCAB, SCRATCH_IN_ORDER)
             operand_a = tl.trans(tl.load(scratch_ptr + offsets, mask=token_mask[:, None],
                                          other=0.0))
             operand_b = tl.load(
@@ -81,7 +84,7 @@ def sparse_tile_matmul_kernel(
         else:
             offsets = segment_offsets(pages_ptr, chunk_rows, row_mask, other_block,
                                       chunk_vocab_blocks, segments_per_page, page_stride,
-                                      BLOCK_VOCAB)
+                                      BLOCK_VOCAB, SCRATCH_IN_ORDER)
             operand_a = tl.load(scratch_ptr + offsets, mask=row_mask[:, None], other=0.0)
             vocab, vocab_mask = vocab_block_entries(
                 vocab_order_ptr, other_block, vocab_size, BLOCK_VOCAB, SORTED)
@@ -104,14 +107,6 @@ def sparse_tile_matmul_kernel(
             tl.store(grad_bias_ptr + out_rows,
                      round_to(grad_bias, grad_bias_ptr.dtype.element_ty, DOT_PRECISION),
                      mask=row_mask)
-
-
-def live_lists(flags: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Per row of ``flags`` (int32, 1 = stored tile): the column indices with a stored tile
-    first (int32, contiguous), and how many there are."""
-    counts = flags.sum(dim=1, dtype=torch.int32)
-    lists = torch.argsort(flags, dim=1, descending=True, stable=True)
-    return lists.to(torch.int32, memory_format=torch.contiguous_format), counts
 
 
 def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Tensor,
@@ -188,11 +183,15 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor, operand
         scratch.segments_per_page, scratch.page_stride, first_block, num_out_blocks,
         lists.stride(0), operand.stride(0), operand.stride(1),
         TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
-        SPLITS=splits, BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
+        SPLITS=splits, SCRATCH_IN_ORDER=scratch.in_order,
+        BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_OUT=_block_out(dim, operand.dtype), DOT_PRECISION=dot_precision(operand.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if partial is not None:
+        # Summed in place and copied with conversion: no temporary as large as the chunk.
+        for split in range(1, splits):
+            partial[0].add_(partial[split])
         first_row = first_block * grid.block_tokens
         valid_rows = min(rows, num_tokens - first_row)
-        out[first_row:first_row + valid_rows] = partial.sum(dim=0)[:valid_rows].to(out.dtype)
+        out[first_row:first_row + valid_rows].copy_(partial[0, :valid_rows])

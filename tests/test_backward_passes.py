@@ -16,6 +16,7 @@ import torch
 
 import cce.backward
 from cce.config import kernel_configs
+from cce.live_lists import live_lists
 from tests.helpers import check, make_grad_output, make_inputs, run_reference
 from tests.reference import relative_error
 
@@ -116,3 +117,24 @@ def test_backward_is_deterministic(device: str, gen: torch.Generator) -> None:
     first = torch.autograd.grad(loss, (e, c), retain_graph=True)
     second = torch.autograd.grad(loss, (e, c))
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+@pytest.mark.parametrize("columns", [1, 63, 200])
+def test_live_lists_hold_the_stored_tiles_of_each_row_in_order(layout: str, columns: int,
+                                                               device: str,
+                                                               gen: torch.Generator) -> None:
+    """Each row's list starts with the columns of its stored tiles, in increasing order, and
+    its count says how many; flags come as rows of a table (pass 1) or as a transposed slice of
+    its columns (pass 2). Rows with no stored tile and with every tile stored included."""
+    rows = 5
+    table = (torch.rand(columns + 3, rows, generator=gen) < 0.3).to(torch.int32)
+    table[:, 0] = 0
+    table[:, 1] = 1
+    table = table.to(device)
+    flags = table[2:columns + 2].T if layout == "columns" else table[2:columns + 2].T.contiguous()
+    lists, counts = live_lists(flags)
+    for row in range(rows):
+        expected = torch.nonzero(flags[row]).flatten().to(torch.int32)
+        assert int(counts[row]) == expected.numel()
+        assert torch.equal(lists[row, :expected.numel()], expected)

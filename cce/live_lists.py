@@ -1,0 +1,52 @@
+"""Backward, between the recompute and the products: which stored tiles each output block reads.
+
+A product program walks a list of the tiles stored for its row of the grid instead of testing
+every tile, so that its loop has no branch and its loads pipeline. This kernel builds those
+lists from the recompute's flags, one program per row: a running prefix sum of the flags gives
+every stored tile its place. One launch per chunk; a sort would take several, and each costs
+host time that the backward's small chunks cannot hide.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cce.config import interpreting
+
+# Flags read per step of a row's scan.
+_BLOCK_COLUMNS = 1024
+_INTERPRETER_BLOCK_COLUMNS = 64
+
+
+@triton.jit
+def live_lists_kernel(flags_ptr, lists_ptr, counts_ptr, num_columns, stride_row, stride_column,
+                      BLOCK_COLUMNS: tl.constexpr):
+    row = tl.program_id(0)
+    flags_row = flags_ptr + row.to(tl.int64) * stride_row
+    list_row = lists_ptr + row.to(tl.int64) * num_columns
+    count = 0
+    for start in range(0, num_columns, BLOCK_COLUMNS):
+        columns = start + tl.arange(0, BLOCK_COLUMNS)
+        stored = tl.load(flags_row + columns * stride_column, mask=columns < num_columns,
+                         other=0) != 0
+        places = count + tl.cumsum(stored.to(tl.int32), axis=0) - 1
+        tl.store(list_row + places, columns, mask=stored)
+        count += tl.sum(stored.to(tl.int32), axis=0)
+    tl.store(counts_ptr + row, count)
+
+
+def live_lists(flags: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Per row of ``flags`` (int32, any strides; nonzero = stored tile): the indices of its
+    columns with a stored tile, in increasing order, at the start of that row of ``lists``
+    (int32, rows x columns, contiguous; the rest of the row is not written), and ``counts``
+    (int32, how many there are)."""
+    rows, columns = flags.shape
+    lists = torch.empty((rows, columns), dtype=torch.int32, device=flags.device)
+    counts = torch.empty(rows, dtype=torch.int32, device=flags.device)
+    if rows:
+        block = _INTERPRETER_BLOCK_COLUMNS if interpreting() else _BLOCK_COLUMNS
+        live_lists_kernel[(rows,)](flags, lists, counts, columns, flags.stride(0),
+                                   flags.stride(1), BLOCK_COLUMNS=block)
+    return lists, counts
