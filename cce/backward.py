@@ -6,10 +6,12 @@ block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
 
 1. dE, chunks of token blocks x the whole vocabulary: ``dE[chunk] = G[chunk] C``. The chunk is
    stored in dC's memory, which is not written yet, so a chunk holds about D tokens.
-2. dC, chunks of vocabulary blocks x all tokens: ``dC[chunk] = G[:, chunk]^T E``. The chunk is
-   stored in the rows of dC that are still free (those of later vocabulary positions), so the
-   chunks shrink as dC fills up; once a small spare buffer holds more than the free rows, the
-   rest of the vocabulary goes through that buffer, in chunks of a fixed width.
+2. dC, chunks of vocabulary blocks x all tokens: ``dC[chunk] = G[:, chunk]^T E``. Only the
+   tiles pass 1 stored are recomputed, and each gets a slot of its own in the rows of dC that
+   are still free (those of later vocabulary positions). A chunk is as wide as its tiles fit
+   there: wide where sorting left few live tiles (the tail of the vocabulary), narrower as dC
+   fills up; once not even one block's tiles fit, the rest of the vocabulary goes through a small
+   spare buffer. Sizing the chunks takes one host sync (the tiles per vocabulary block).
 
 Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; every gradient
 is accumulated in float32 on-chip and written once, without atomics, so the result is
@@ -26,7 +28,8 @@ import triton
 
 from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, sm_utilization,
                         spare_scratch_bytes, whole_waves)
-from cce.gradient_tiles import gradient_tiles
+from cce.gradient_tiles import gradient_tiles, listed_gradient_tiles
+from cce.live_lists import TileLists
 from cce.scratch import Scratch, rows_can_hold_segments
 from cce.sparse_tile_matmul import (embeddings_product_programs, gradient_times_classifier,
                                     gradient_times_embeddings, product_programs_per_block)
@@ -48,17 +51,11 @@ def linear_cross_entropy_backward(
     grid = kernel_configs(e.dtype).live_grid
     num_token_blocks = triton.cdiv(num_tokens, grid.block_tokens)
     num_vocab_blocks = triton.cdiv(vocab_size, grid.block_vocab)
-    # Written by every recompute; 1 where the tile survived the filter and was stored.
+    # Pass 1's record: 1 where the tile survived the filter and was stored.
     flags = torch.zeros((num_token_blocks, num_vocab_blocks), dtype=torch.int32, device=e.device)
     grad_c = (torch.empty((vocab_size, dim), dtype=c.dtype, device=c.device)
               if needs_grad_c else None)
     grad_bias = torch.empty_like(bias) if needs_grad_c and bias is not None else None
-
-    def recompute(scratch: Scratch, token_blocks: range, vocab_blocks: range,
-                  skippable: Optional[torch.Tensor]) -> None:
-        gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
-                       vocab_order, skippable, filter_eps, flags, scratch, token_blocks,
-                       vocab_blocks)
 
     grad_e = None
     if needs_grad_e:
@@ -71,39 +68,43 @@ def linear_cross_entropy_backward(
         room = _room_after(scratch, chunk * row_segments)
         for first in range(0, num_token_blocks, chunk):
             token_blocks = range(first, min(first + chunk, num_token_blocks))
-            recompute(scratch, token_blocks, range(num_vocab_blocks), live_tiles)
+            gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
+                           vocab_order, live_tiles, filter_eps, flags, scratch, token_blocks,
+                           range(num_vocab_blocks))
             gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e, token_blocks, room)
         del scratch, room
 
     if needs_grad_c:
-        # Pass 1 filtered every tile exactly: its flags skip more than the forward's bound.
-        skippable = flags if needs_grad_e else live_tiles
+        # Pass 1 filtered every tile exactly: its flags are the tiles pass 2 stores.
+        listed = flags if needs_grad_e else live_tiles
+        if listed is None:
+            listed = torch.ones_like(flags)
+        # One host sync: how many tiles each vocabulary block stores sets the chunks' widths.
+        tiles_per_block = (listed != 0).sum(dim=0).tolist()
+        tile_bytes = grid.block_tokens * grid.block_vocab * c.element_size()
+        spare_tiles = max(spare_scratch_bytes() // tile_bytes, max(tiles_per_block))
         # Vocabulary positions -> rows of dC: the free rows are those of later positions.
         position_rows = (vocab_order if vocab_order is not None else
                          torch.arange(vocab_size, dtype=torch.int32, device=c.device))
-        spare_width = max(1, spare_scratch_bytes() // (num_tokens * grid.block_vocab
-                                                       * c.element_size()))
-        rows_hold_segments = rows_can_hold_segments(grad_c, grid.block_vocab)
         spare = None
-        first = 0
-        while first < num_vocab_blocks:
-            width = (_classifier_chunk_width(first, num_tokens, vocab_size, dim,
-                                             grid.block_vocab, num_vocab_blocks)
-                     if rows_hold_segments else 0)
-            if width >= spare_width:
-                free_rows = position_rows[(first + width) * grid.block_vocab:]
-                scratch = Scratch.in_rows(grad_c, free_rows, grid.block_vocab)
-            else:
-                width = min(spare_width, num_vocab_blocks - first)
+        for vocab_blocks, in_spare in _classifier_chunks(
+                tiles_per_block, vocab_size, dim, grid.block_tokens, grid.block_vocab,
+                rows_can_hold_segments(grad_c, grid.block_vocab), spare_tiles):
+            if in_spare:
                 if spare is None:
-                    spare = Scratch.dedicated(num_tokens * width, grid.block_vocab, c.dtype,
-                                              c.device)
+                    spare = Scratch.dedicated(spare_tiles * grid.block_tokens, grid.block_vocab,
+                                              c.dtype, c.device)
                 scratch = spare
-            vocab_blocks = range(first, first + width)
-            recompute(scratch, range(num_token_blocks), vocab_blocks, skippable)
-            gradient_times_classifier(scratch, flags, e, vocab_order, grad_c, grad_bias,
+            else:
+                free_rows = position_rows[vocab_blocks.stop * grid.block_vocab:]
+                scratch = Scratch.in_rows(grad_c, free_rows, grid.block_vocab)
+            tile_lists = TileLists.of(listed[:, vocab_blocks.start:vocab_blocks.stop].T,
+                                      max(tiles_per_block[vocab_blocks.start:vocab_blocks.stop]))
+            listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale,
+                                  target_scale, vocab_order, filter_eps, scratch, tile_lists,
+                                  vocab_blocks)
+            gradient_times_classifier(scratch, tile_lists, e, vocab_order, grad_c, grad_bias,
                                       vocab_blocks)
-            first = vocab_blocks.stop
     return grad_e, grad_c, grad_bias
 
 
@@ -153,15 +154,34 @@ def _room_after(scratch: Scratch, used_segments: int) -> Optional[torch.Tensor]:
     return scratch.buffer[start:end].view(torch.float32) if end > start else None
 
 
-def _classifier_chunk_width(first: int, num_tokens: int, vocab_size: int, dim: int,
-                            block_vocab: int, num_vocab_blocks: int) -> int:
-    """The most vocabulary blocks from ``first`` on whose tiles (all tokens) fit in the rows of
-    dC after them: num_tokens * width segments in (vocab_size - end) * dim / block_vocab."""
+def _classifier_chunks(tiles_per_block: "list[int]", vocab_size: int, dim: int,
+                       block_tokens: int, block_vocab: int, rows_hold_segments: bool,
+                       spare_tiles: int) -> "list[tuple[range, bool]]":
+    """Pass 2's chunks of vocabulary blocks, in order, and whether each is stored in the spare
+    buffer. A chunk's tiles (``tiles_per_block`` of each block, ``block_tokens`` segments each)
+    go to the rows of dC of later positions (``dim / block_vocab`` segments per row): each chunk
+    is the widest whose tiles fit there. Once not even one block's do, every later chunk goes to
+    the spare buffer, as many blocks as its ``spare_tiles`` hold (at least one block's)."""
     segments_per_row = dim // block_vocab
-    width = (vocab_size - first * block_vocab) * segments_per_row // (
-        num_tokens + segments_per_row * block_vocab)
-    width = min(width, num_vocab_blocks - first)
-    while width > 0 and (num_tokens * width
-                         > (vocab_size - (first + width) * block_vocab) * segments_per_row):
-        width -= 1
-    return max(width, 0)
+
+    def free_rows_hold(end: int, tiles: int) -> bool:
+        return tiles * block_tokens <= (vocab_size - end * block_vocab) * segments_per_row
+
+    chunks = []
+    first = 0
+    in_spare = not rows_hold_segments
+    while first < len(tiles_per_block):
+        end, tiles = first, 0
+        if not in_spare:
+            while (end < len(tiles_per_block)
+                   and free_rows_hold(end + 1, tiles + tiles_per_block[end])):
+                tiles += tiles_per_block[end]
+                end += 1
+            in_spare = end == first
+        if in_spare:
+            while end < len(tiles_per_block) and tiles + tiles_per_block[end] <= spare_tiles:
+                tiles += tiles_per_block[end]
+                end += 1
+        chunks.append((range(first, end), in_spare))
+        first = end
+    return chunks

@@ -1,11 +1,15 @@
 """Backward, step 1 (paper Alg. 3, recompute): the logit-gradient tiles of one chunk, written once.
 
-One program per (token block x vocabulary block) tile of the live grid inside a chunk. Tiles
-that the forward's bounds prove negligible are skipped without a recompute; the others are
-recomputed on-chip (one N x V x D product's worth of work for the whole chunk), filtered exactly
-(gradient filtering: every entry below ``filter_eps``) and, when they survive, stored in the
-chunk's scratch (:mod:`cce.scratch`) in the input dtype. ``flags`` records which tiles were
-stored, so that the products that follow read only those.
+Tiles are recomputed on-chip (one N x V x D product's worth of work for a whole chunk), filtered
+exactly (gradient filtering: every entry below ``filter_eps``) and stored in the chunk's scratch
+(:mod:`cce.scratch`) in the input dtype, for the products that follow.
+
+- Pass 1 (:func:`gradient_tiles`): one program per tile of the chunk's rows of the live grid.
+  Tiles that the forward's bounds prove negligible are skipped without a recompute; ``flags``
+  records which tiles survived the filter and were stored.
+- Pass 2 (:func:`listed_gradient_tiles`): one program per tile of the chunk's lists, the tiles
+  pass 1 stored (:mod:`cce.live_lists`), each stored in a slot of its own, so that the chunk's
+  scratch holds only those.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import triton.language as tl
 
 from cce.config import dot_precision, kernel_configs
 from cce.logit_tile import logit_gradient_tile, round_to, vocab_block_entries
+from cce.live_lists import TileLists
 from cce.scratch import Scratch, segment_offsets
 
 
@@ -25,33 +30,48 @@ from cce.scratch import Scratch, segment_offsets
 def gradient_tiles_kernel(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
     vocab_order_ptr, live_tiles_ptr, flags_ptr, scratch_ptr, pages_ptr,
+    tile_lists_ptr, tile_counts_ptr, first_slots_ptr,
     num_tokens, vocab_size, dim, num_vocab_blocks,
     first_token_block, first_vocab_block, chunk_token_blocks, chunk_vocab_blocks,
-    segments_per_page, page_stride,
+    longest_list, list_stride, segments_per_page, page_stride,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
-    SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr,
+    SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr, LISTED: tl.constexpr,
+    SCRATCH_IN_ORDER: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # Token blocks vary fastest: the programs in flight share their tiles of c.
-    chunk_token_block = tl.program_id(0) % chunk_token_blocks
-    chunk_vocab_block = tl.program_id(0) // chunk_token_blocks
-    token_block = first_token_block + chunk_token_block
+    if LISTED:
+        # The k-th listed token block of a vocabulary block of the chunk goes to slot
+        # first_slots[block] + k; programs past the end of a block's list have nothing to do.
+        entry = tl.program_id(0) % longest_list
+        chunk_vocab_block = tl.program_id(0) // longest_list
+        live = entry < tl.load(tile_counts_ptr + chunk_vocab_block)
+        token_block = tl.load(tile_lists_ptr + chunk_vocab_block * list_stride + entry,
+                              mask=live, other=0)
+        slot = tl.load(first_slots_ptr + chunk_vocab_block) + entry
+        segments = slot.to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+    else:
+        chunk_token_block = tl.program_id(0) % chunk_token_blocks
+        chunk_vocab_block = tl.program_id(0) // chunk_token_blocks
+        token_block = first_token_block + chunk_token_block
+        live = True
+        if SKIP_DEAD_TILES:
+            live = tl.load(live_tiles_ptr + token_block * num_vocab_blocks
+                           + first_vocab_block + chunk_vocab_block) != 0
+        chunk_rows = chunk_token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        segments = chunk_rows.to(tl.int64) * chunk_vocab_blocks + chunk_vocab_block
+        flag_ptr = (flags_ptr + token_block * num_vocab_blocks + first_vocab_block
+                    + chunk_vocab_block)
     vocab_block = first_vocab_block + chunk_vocab_block
-    flag_ptr = flags_ptr + token_block * num_vocab_blocks + vocab_block
 
-    live = True
-    if SKIP_DEAD_TILES:
-        live = tl.load(live_tiles_ptr + token_block * num_vocab_blocks + vocab_block) != 0
     if live:
         rows = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
         row_mask = rows < num_tokens
         # Where the tile goes, looked up before the tile is computed: afterwards the lookup
         # competes with the tile for registers.
-        chunk_rows = chunk_token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-        offsets = segment_offsets(pages_ptr, chunk_rows, row_mask, chunk_vocab_block,
-                                  chunk_vocab_blocks, segments_per_page, page_stride,
+        offsets = segment_offsets(pages_ptr, segments, row_mask, segments_per_page, page_stride,
                                   BLOCK_VOCAB, SCRATCH_IN_ORDER)
         positions = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
         vocab, vocab_mask = vocab_block_entries(
@@ -62,13 +82,18 @@ def gradient_tiles_kernel(
             stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
             HAS_BIAS, HAS_SOFTCAP, FILTER, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
         )
-        if keep:
+        if LISTED:
+            # Every listed tile is read by the product: one the filter drops reads as zeros.
+            grad = tl.where(keep, grad, 0.0)
+            tl.store(scratch_ptr + offsets, round_to(grad, scratch_ptr.dtype.element_ty,
+                                                     DOT_PRECISION), mask=row_mask[:, None])
+        elif keep:
             tl.store(scratch_ptr + offsets, round_to(grad, scratch_ptr.dtype.element_ty,
                                                      DOT_PRECISION), mask=row_mask[:, None])
             tl.store(flag_ptr, 1)
         else:
             tl.store(flag_ptr, 0)
-    else:
+    elif not LISTED:
         tl.store(flag_ptr, 0)
 
 
@@ -78,23 +103,50 @@ def gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Ten
                    vocab_order: Optional[torch.Tensor], live_tiles: Optional[torch.Tensor],
                    filter_eps: Optional[float], flags: torch.Tensor, scratch: Scratch,
                    token_blocks: range, vocab_blocks: range) -> None:
-    """Store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks) in
-    ``scratch`` and set their ``flags`` (int32, one per live-grid tile: 1 = stored).
-    ``target_positions``: see :func:`cce.vocab_order.target_positions`."""
+    """Pass 1: store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks),
+    whole rows of the grid, in ``scratch`` and set their ``flags`` (int32, one per live-grid
+    tile: 1 = stored). ``target_positions``: see :func:`cce.vocab_order.target_positions`."""
+    _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
+            live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
+            programs=len(token_blocks) * len(vocab_blocks))
+
+
+def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Tensor,
+                          bias: Optional[torch.Tensor], softcap: Optional[float],
+                          lse: torch.Tensor, prob_scale: torch.Tensor,
+                          target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
+                          filter_eps: Optional[float], scratch: Scratch, tile_lists: TileLists,
+                          vocab_blocks: range) -> None:
+    """Pass 2: store the listed tiles of ``vocab_blocks`` (``tile_lists``: per vocabulary block,
+    the token blocks to store), each in its slot; tiles the filter drops are stored as zeros."""
+    _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
+            None, filter_eps, None, scratch, range(0), vocab_blocks,
+            programs=len(vocab_blocks) * tile_lists.longest, tile_lists=tile_lists)
+
+
+def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
+            live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks, programs,
+            tile_lists: Optional[TileLists] = None) -> None:
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
     grid, config = configs.live_grid, configs.gradient_tiles
-    gradient_tiles_kernel[(len(token_blocks) * len(vocab_blocks),)](
+    if programs == 0:
+        return
+    listed = tile_lists is not None
+    gradient_tiles_kernel[(programs,)](
         e, c, bias, target_positions, lse, prob_scale, target_scale, vocab_order, live_tiles,
-        flags,
-        scratch.buffer, scratch.pages,
-        num_tokens, c.shape[0], dim, flags.shape[1],
+        flags, scratch.buffer, scratch.pages,
+        tile_lists.lists if listed else None, tile_lists.counts if listed else None,
+        tile_lists.first_slots if listed else None,
+        num_tokens, c.shape[0], dim, triton.cdiv(c.shape[0], grid.block_vocab),
         token_blocks.start, vocab_blocks.start, len(token_blocks), len(vocab_blocks),
+        tile_lists.longest if listed else 1, tile_lists.lists.stride(0) if listed else 0,
         scratch.segments_per_page, scratch.page_stride,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0, filter_eps or 0.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
         FILTER=filter_eps is not None, SORTED=vocab_order is not None,
-        SKIP_DEAD_TILES=live_tiles is not None, SCRATCH_IN_ORDER=scratch.in_order,
+        SKIP_DEAD_TILES=live_tiles is not None, LISTED=listed,
+        SCRATCH_IN_ORDER=scratch.in_order,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -9,6 +9,8 @@ host time that the backward's small chunks cannot hide.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -50,3 +52,22 @@ def live_lists(flags: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
         live_lists_kernel[(rows,)](flags, lists, counts, columns, flags.stride(0),
                                    flags.stride(1), BLOCK_COLUMNS=block)
     return lists, counts
+
+
+@dataclass(frozen=True)
+class TileLists:
+    """Pass 2's tiles of one chunk: per vocabulary block (row), the token blocks of its tiles
+    (``lists``, ``counts`` of them, see :func:`live_lists`), where its tiles' slots start in the
+    chunk's scratch (``first_slots``, int32) and the longest list's length (host int)."""
+
+    lists: torch.Tensor
+    counts: torch.Tensor
+    first_slots: torch.Tensor
+    longest: int
+
+    @staticmethod
+    def of(flags: torch.Tensor, longest: int) -> "TileLists":
+        """The lists of ``flags`` (rows = vocabulary blocks); ``longest``: known to the host."""
+        lists, counts = live_lists(flags)
+        first_slots = (torch.cumsum(counts, dim=0, dtype=torch.int32) - counts).to(torch.int32)
+        return TileLists(lists, counts, first_slots, longest)

@@ -6,10 +6,13 @@ and two block-sparse products read it back: ``dE = G C`` and ``dC = G^T E``. Sto
 and the chunk lives in memory the backward owns anyway: rows of dC that are not written yet.
 
 A chunk is stored as *segments*: the BLOCK_VOCAB entries of one token row in one vocabulary
-block. Segment ``s = row * chunk_vocab_blocks + vocab_block`` goes to page ``pages[s //
-segments_per_page]`` at slot ``s % segments_per_page``; a page is ``page_stride`` elements. With
-pages = rows of dC (``segments_per_page = D / BLOCK_VOCAB``), the pages can be any rows, in any
-order: the dC pass writes dC through the vocabulary order, so the rows still free are scattered.
+block. Segment ``s`` goes to page ``pages[s // segments_per_page]`` at place ``s %
+segments_per_page``; a page is ``page_stride`` elements. With pages = rows of dC
+(``segments_per_page = D / BLOCK_VOCAB``), the pages can be any rows, in any order: the dC pass
+writes dC through the vocabulary order, so the rows still free are scattered. Which segments a
+tile takes depends on the pass: pass 1 stores whole rows of the tile grid, segment ``row *
+chunk_vocab_blocks + vocab_block``; pass 2 stores only the tiles it lists, the k-th in slot k,
+segments ``k * BLOCK_TOKENS + row in the tile``.
 """
 
 from __future__ import annotations
@@ -22,18 +25,16 @@ import triton.language as tl
 
 
 @triton.jit
-def segment_offsets(pages_ptr, rows, row_mask, vocab_block, chunk_vocab_blocks,
-                    segments_per_page, page_stride, BLOCK_VOCAB: tl.constexpr,
-                    IN_ORDER: tl.constexpr):
-    """Element offsets of the (rows x BLOCK_VOCAB) piece of one vocabulary block of a chunk;
-    ``rows`` are token rows within the chunk. ``IN_ORDER``: the scratch's segments lie in order
-    (:attr:`Scratch.in_order`), so the offsets need neither the page table nor a division."""
-    segment = rows.to(tl.int64) * chunk_vocab_blocks + vocab_block
+def segment_offsets(pages_ptr, segments, mask, segments_per_page, page_stride,
+                    BLOCK_VOCAB: tl.constexpr, IN_ORDER: tl.constexpr):
+    """Element offsets of the (segments x BLOCK_VOCAB) piece of the scratch that holds the given
+    segments (int64). ``IN_ORDER``: the scratch's segments lie in order (:attr:`Scratch.in_order`),
+    so the offsets need neither the page table nor a division."""
     if IN_ORDER:
-        start = segment * BLOCK_VOCAB
+        start = segments * BLOCK_VOCAB
     else:
-        page = tl.load(pages_ptr + segment // segments_per_page, mask=row_mask, other=0)
-        start = page.to(tl.int64) * page_stride + (segment % segments_per_page) * BLOCK_VOCAB
+        page = tl.load(pages_ptr + segments // segments_per_page, mask=mask, other=0)
+        start = page.to(tl.int64) * page_stride + (segments % segments_per_page) * BLOCK_VOCAB
     return start[:, None] + tl.arange(0, BLOCK_VOCAB)[None, :]
 
 

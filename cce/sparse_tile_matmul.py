@@ -4,8 +4,7 @@ the stored logit-gradient tiles of one chunk and skipping the filtered ones.
 Each program owns one block of output rows (a block of the live grid) and BLOCK_OUT columns,
 and accumulates in float32 registers the products of the live tiles of its row of the grid,
 found in a list (:mod:`cce.live_lists`: the grid blocks with a stored tile, ``live_counts`` of
-them).
-Walking a list instead of testing every tile keeps the loop free of branches, so Triton can
+them). Walking a list instead of testing every tile keeps the loop free of branches, so Triton can
 pipeline its loads. The output is written once, in its dtype: no atomics, deterministic. When
 the output has too few blocks to fill the GPU, each list is split among SPLITS programs that
 write float32 partial sums, added up afterwards (dE only).
@@ -13,8 +12,9 @@ write float32 partial sums, added up afterwards (dE only).
 - dE (TRANSPOSED=False): output rows are the chunk's tokens; the list walks vocabulary blocks;
   the second operand is rows of c, through the vocabulary order.
 - dC (TRANSPOSED=True): output rows are vocabulary positions, written through the order; the
-  list walks token blocks; the first operand is the transposed tile, the second rows of e. The
-  bias gradient (column sums of G) comes along.
+  list walks token blocks; the first operand is the transposed tile (the k-th of an output
+  block's list is in slot ``first_slots[block] + k``), the second rows of e. The bias gradient
+  (column sums of G) comes along.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import triton
 import triton.language as tl
 
 from cce.config import dot_precision, kernel_configs, split_count
-from cce.live_lists import live_lists
+from cce.live_lists import TileLists, live_lists
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
 from cce.scratch import Scratch, segment_offsets
 
 
 @triton.jit
 def sparse_tile_matmul_kernel(
-    scratch_ptr, pages_ptr, live_lists_ptr, live_counts_ptr, operand_ptr, vocab_order_ptr,
-    out_ptr, partial_ptr, grad_bias_ptr,
+    scratch_ptr, pages_ptr, live_lists_ptr, live_counts_ptr, first_slots_ptr, operand_ptr,
+    vocab_order_ptr, out_ptr, partial_ptr, grad_bias_ptr,
     num_tokens, vocab_size, dim, chunk_vocab_blocks, segments_per_page, page_stride,
     first_block, num_out_blocks, list_stride, stride_operand_row, stride_operand_dim,
     TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -58,6 +58,7 @@ def sparse_tile_matmul_kernel(
         vocab, row_mask = vocab_block_entries(
             vocab_order_ptr, first_block + out_block, vocab_size, BLOCK_VOCAB, SORTED)
         out_rows = vocab
+        first_slot = tl.load(first_slots_ptr + out_block)  # its k-th listed tile: slot + k
     else:
         chunk_rows = out_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
         out_rows = first_block * BLOCK_TOKENS + chunk_rows
@@ -70,9 +71,10 @@ def sparse_tile_matmul_kernel(
         if TRANSPOSED:
             token_rows = other_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
             token_mask = token_rows < num_tokens
-            offsets = segment_offsets(pages_ptr, token_rows, token_mask, out_block,
-                                      chunk_vocab_blocks, segments_per_page, page_stride,
-                                      BLOCK_VOCAB, SCRATCH_IN_ORDER)
+            segments = ((first_slot + position).to(tl.int64) * BLOCK_TOKENS
+                        + tl.arange(0, BLOCK_TOKENS))
+            offsets = segment_offsets(pages_ptr, segments, token_mask, segments_per_page,
+                                      page_stride, BLOCK_VOCAB, SCRATCH_IN_ORDER)
             operand_a = tl.trans(tl.load(scratch_ptr + offsets, mask=token_mask[:, None],
                                          other=0.0))
             operand_b = tl.load(
@@ -82,9 +84,9 @@ def sparse_tile_matmul_kernel(
             if HAS_BIAS:
                 grad_bias += tl.sum(operand_a.to(tl.float32), axis=1)
         else:
-            offsets = segment_offsets(pages_ptr, chunk_rows, row_mask, other_block,
-                                      chunk_vocab_blocks, segments_per_page, page_stride,
-                                      BLOCK_VOCAB, SCRATCH_IN_ORDER)
+            segments = chunk_rows.to(tl.int64) * chunk_vocab_blocks + other_block
+            offsets = segment_offsets(pages_ptr, segments, row_mask, segments_per_page,
+                                      page_stride, BLOCK_VOCAB, SCRATCH_IN_ORDER)
             operand_a = tl.load(scratch_ptr + offsets, mask=row_mask[:, None], other=0.0)
             vocab, vocab_mask = vocab_block_entries(
                 vocab_order_ptr, other_block, vocab_size, BLOCK_VOCAB, SORTED)
@@ -112,22 +114,22 @@ def sparse_tile_matmul_kernel(
 def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Tensor,
                               vocab_order: Optional[torch.Tensor], grad_e: torch.Tensor,
                               token_blocks: range, room: Optional[torch.Tensor] = None) -> None:
-    """``grad_e[rows of token_blocks] = G @ c`` for a chunk of whole rows of the tile grid.
+    """``grad_e[rows of token_blocks] = G @ c`` for a chunk of whole rows of the tile grid
+    (pass 1: stored whole rows of the grid, ``flags`` say which tiles hold something).
     ``room``: free float32 memory for the partial sums of a split product."""
     lists, counts = live_lists(flags[token_blocks.start:token_blocks.stop])
-    _launch(scratch, lists, counts, c, vocab_order, grad_e, None, token_blocks.start,
+    _launch(scratch, lists, counts, None, c, vocab_order, grad_e, None, token_blocks.start,
             flags.shape[1], transposed=False, room=room)
 
 
-def gradient_times_classifier(scratch: Scratch, flags: torch.Tensor, e: torch.Tensor,
+def gradient_times_classifier(scratch: Scratch, tile_lists: TileLists, e: torch.Tensor,
                               vocab_order: Optional[torch.Tensor], grad_c: torch.Tensor,
                               grad_bias: Optional[torch.Tensor], vocab_blocks: range) -> None:
     """``grad_c[rows of vocab_blocks] = G^T @ e`` (and the bias gradient) for a chunk of whole
-    columns of the tile grid."""
-    chunk_flags = flags[:, vocab_blocks.start:vocab_blocks.stop].T
-    lists, counts = live_lists(chunk_flags)
-    _launch(scratch, lists, counts, e, vocab_order, grad_c, grad_bias, vocab_blocks.start,
-            len(vocab_blocks), transposed=True)
+    columns of the tile grid (pass 2: the tiles of ``tile_lists``, each in its slot)."""
+    _launch(scratch, tile_lists.lists, tile_lists.counts, tile_lists.first_slots, e,
+            vocab_order, grad_c, grad_bias, vocab_blocks.start, len(vocab_blocks),
+            transposed=True)
 
 
 def _block_out(dim: int, dtype: torch.dtype) -> int:
@@ -156,7 +158,8 @@ def embeddings_product_programs(token_blocks: int, dim: int, dtype: torch.dtype,
             * _embeddings_splits(token_blocks, dim, dtype, device, room_bytes))
 
 
-def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor, operand: torch.Tensor,
+def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
+            first_slots: Optional[torch.Tensor], operand: torch.Tensor,
             vocab_order: Optional[torch.Tensor], out: torch.Tensor,
             grad_bias: Optional[torch.Tensor], first_block: int, chunk_vocab_blocks: int,
             transposed: bool, room: Optional[torch.Tensor] = None) -> None:
@@ -178,7 +181,8 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor, operand
     num_tokens = out.shape[0] if not transposed else operand.shape[0]
     vocab_size = out.shape[0] if transposed else operand.shape[0]
     sparse_tile_matmul_kernel[(programs * splits,)](
-        scratch.buffer, scratch.pages, lists, counts, operand, vocab_order, out, partial,
+        scratch.buffer, scratch.pages, lists, counts, first_slots, operand, vocab_order, out,
+        partial,
         grad_bias, num_tokens, vocab_size, dim, chunk_vocab_blocks,
         scratch.segments_per_page, scratch.page_stride, first_block, num_out_blocks,
         lists.stride(0), operand.stride(0), operand.stride(1),

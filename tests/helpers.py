@@ -64,6 +64,20 @@ def make_inputs(
                   None if b is None else b.to(device, dtype), options)
 
 
+def peaked_inputs(gen: torch.Generator, device: str, num_tokens: int, vocab: int,
+                  dim: int) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+    """float32 (e, c, targets) whose logits have a Zipf-like frequency component, so that most
+    tiles hold only tiny softmax entries; every fifth target is ignored (-1)."""
+    e = torch.randn(num_tokens, dim, generator=gen)
+    c = torch.randn(vocab, dim, generator=gen) * (4.0 / math.sqrt(dim))
+    frequency = -1.5 * torch.log(torch.arange(1, vocab + 1, dtype=torch.float32))
+    c[:, 0] = frequency[torch.randperm(vocab, generator=gen)]
+    e[:, 0] = 3.0
+    targets = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    targets[::5] = -1
+    return e.to(device), c.to(device), targets.to(device)
+
+
 def make_grad_output(gen: torch.Generator, inputs: Inputs, reduction: str) -> torch.Tensor:
     """A random upstream gradient, so that the tests also check it is applied (not assumed 1)."""
     if reduction == "none":

@@ -9,15 +9,18 @@ spare buffer; the gradients must match the float64 reference whatever the path.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
 import torch
 
 import cce.backward
+from cce.cce_function import LinearCrossEntropyFunction
 from cce.config import kernel_configs
 from cce.live_lists import live_lists
-from tests.helpers import check, make_grad_output, make_inputs, run_reference
+from tests.helpers import (check, make_grad_output, make_inputs, peaked_inputs,
+                           run_reference)
 from tests.reference import relative_error
 
 N = 261
@@ -70,25 +73,34 @@ def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional
     assert in_spare == sorted(in_spare)  # free rows first, then the spare buffer
 
 
-def test_classifier_chunks_fit_in_the_free_rows_of_dc() -> None:
-    """Each dC chunk is the widest whose tiles (all tokens) fit in the rows of later positions."""
-    block = kernel_configs(torch.float32).live_grid.block_vocab
-    vocab, dim = _shape(torch.float32)
-    num_vocab_blocks = -(-vocab // block)
-    segments_per_row = dim // block
+@pytest.mark.parametrize("spare_tiles", [9, 30])
+def test_classifier_chunks_are_the_widest_that_fit(spare_tiles: int,
+                                                   gen: torch.Generator) -> None:
+    """Pass 2's chunks cover the vocabulary blocks in order; each holds the most blocks whose
+    tiles fit in the rows of dC of later positions, and once not one block's do, the most the
+    spare buffer holds (tiles per block as sorting leaves them: many at the head, few after)."""
+    block_tokens, block_vocab, dim = 32, 128, 256
+    vocab = 60 * block_vocab - 5
+    tiles_per_block = [9] * 6 + torch.randint(0, 4, (54,), generator=gen).tolist()
+    chunks = cce.backward._classifier_chunks(tiles_per_block, vocab, dim, block_tokens,
+                                             block_vocab, True, spare_tiles)
 
-    def fits(first: int, width: int) -> bool:
-        return N * width <= (vocab - (first + width) * block) * segments_per_row
+    def fits(blocks: range, in_spare: bool) -> bool:
+        tiles = sum(tiles_per_block[blocks.start:blocks.stop])
+        if in_spare:
+            return tiles <= spare_tiles
+        free_segments = (vocab - blocks.stop * block_vocab) * (dim // block_vocab)
+        return tiles * block_tokens <= free_segments
 
-    first = 0
-    widths = []
-    while (width := cce.backward._classifier_chunk_width(first, N, vocab, dim, block,
-                                                         num_vocab_blocks)) > 0:
-        assert fits(first, width) and not fits(first, width + 1)
-        widths.append(width)
-        first += width
-    assert widths == sorted(widths, reverse=True) and len(widths) >= 2
-    assert first < num_vocab_blocks  # the rest goes through the spare buffer
+    assert [block for blocks, _ in chunks for block in blocks] == list(range(60))
+    in_spare = [spare for _, spare in chunks]
+    assert in_spare == sorted(in_spare) and in_spare.count(False) >= 2 and in_spare[-1]
+    for blocks, spare in chunks:
+        assert len(blocks) >= 1 and fits(blocks, spare)
+        if blocks.stop < 60:
+            assert not fits(range(blocks.start, blocks.stop + 1), spare)
+    first_in_spare = next(blocks for blocks, spare in chunks if spare)
+    assert not fits(range(first_in_spare.start, first_in_spare.start + 1), False)
 
 
 @pytest.mark.parametrize("frozen", ["e", "c"])
@@ -138,3 +150,31 @@ def test_live_lists_hold_the_stored_tiles_of_each_row_in_order(layout: str, colu
         expected = torch.nonzero(flags[row]).flatten().to(torch.int32)
         assert int(counts[row]) == expected.numel()
         assert torch.equal(lists[row, :expected.numel()], expected)
+
+
+def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without dE there are no exact flags from pass 1: pass 2 lists every tile the forward's
+    bounds leave live, more than pass 1 would store, and stores those the filter drops as zeros.
+    From the same forward, dC comes out identical to the bit."""
+    listed = _spy(monkeypatch, "listed_gradient_tiles")
+    vocab, dim = _shape(torch.bfloat16)
+    e, c, targets = peaked_inputs(gen, device, N, vocab, dim)
+    e = e.bfloat16().requires_grad_()
+    c = c.bfloat16().requires_grad_()
+    loss, _ = LinearCrossEntropyFunction.apply(e, c, None, targets, None, 2.0**-12, True, True)
+    forward = loss.grad_fn
+    grad_loss = torch.rand(N, generator=gen).to(device)
+
+    def grad_c(with_grad_e: bool) -> "tuple[torch.Tensor, int]":
+        listed.clear()
+        context = SimpleNamespace(saved_tensors=forward.saved_tensors, softcap=None,
+                                  filter_eps=2.0**-12,
+                                  needs_input_grad=(with_grad_e, True, False))
+        gradients = LinearCrossEntropyFunction.backward(context, grad_loss, None)
+        return gradients[1], sum(int(args[11].counts.sum()) for args in listed)
+
+    beside, stored_beside = grad_c(with_grad_e=True)
+    alone, listed_alone = grad_c(with_grad_e=False)
+    assert listed_alone > stored_beside > 0
+    assert torch.equal(alone, beside)

@@ -17,21 +17,10 @@ from cce.config import kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.vocab_order import live_tiles, target_positions, vocab_order
+from tests.helpers import peaked_inputs
 
 N, V, D = 45, 1500, 40  # not multiples of any block size
 EPS = 2.0**-12
-
-
-def _peaked_inputs(gen: torch.Generator, device: str):
-    """Logits with a Zipf-like frequency component, so most tiles hold only tiny entries."""
-    e = torch.randn(N, D, generator=gen)
-    c = torch.randn(V, D, generator=gen) * (4.0 / math.sqrt(D))
-    frequency = -1.5 * torch.log(torch.arange(1, V + 1, dtype=torch.float32))
-    c[:, 0] = frequency[torch.randperm(V, generator=gen)]
-    e[:, 0] = 3.0
-    targets = torch.randint(0, V, (N,), generator=gen)
-    targets[::5] = -1  # ignored
-    return e.to(device), c.to(device), targets.to(device)
 
 
 def _tile_view(matrix: torch.Tensor, block_tokens: int, block_vocab: int) -> torch.Tensor:
@@ -46,7 +35,7 @@ def _tile_view(matrix: torch.Tensor, block_tokens: int, block_vocab: int) -> tor
 
 def test_vocab_order_sorts_by_average_logit(gen: torch.Generator, device: str) -> None:
     """The order is by decreasing average logit over non-ignored tokens (bias included)."""
-    e, c, targets = _peaked_inputs(gen, device)
+    e, c, targets = peaked_inputs(gen, device, N, V, D)
     bias = torch.randn(V, generator=gen).to(device)
     order = vocab_order(e, c, bias, targets).long()
     average = ((e[targets >= 0].double() @ c.double().T) + bias.double()).mean(dim=0)
@@ -76,7 +65,7 @@ def test_forward_records_sound_log_probability_bounds(gen: torch.Generator,
     """tile_bound[i, j] bounds the log-probability of every entry of the forward tile holding
     tile (i, j) of the live grid on a non-ignored row (vocabulary sorted), is never above 0,
     and is at least as tight as the target logits alone make it."""
-    e, c, targets = _peaked_inputs(gen, device)
+    e, c, targets = peaked_inputs(gen, device, N, V, D)
     order = vocab_order(e, c, None, targets)
     lse, tile_bound = _forward_with_bounds(e, c, targets, order)
     logits = e.double() @ c.double()[order.long()].T
@@ -97,7 +86,7 @@ def test_forward_records_sound_log_probability_bounds(gen: torch.Generator,
 def test_tile_bounds_ignore_each_rows_logit_offset(gen: torch.Generator, device: str) -> None:
     """Adding a constant to every logit of a row leaves its softmax unchanged, and the bounds
     too: rows whose LSE differs a lot do not loosen each other's bounds."""
-    e, c, targets = _peaked_inputs(gen, device)
+    e, c, targets = peaked_inputs(gen, device, N, V, D)
     row_offset = 30.0 * torch.randn(N, 1, generator=gen).to(device)
     shifted_e = torch.cat([e, row_offset], dim=1)
     shifted_c = torch.cat([c, torch.ones(V, 1, device=device)], dim=1)
@@ -111,7 +100,7 @@ def test_tile_bounds_ignore_each_rows_logit_offset(gen: torch.Generator, device:
 def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: str) -> None:
     """Every tile with a softmax entry >= eps on a row that carries a gradient, or with a
     target, is live; on peaked logits some tiles are dead, so skipping is really exercised."""
-    e, c, targets = _peaked_inputs(gen, device)
+    e, c, targets = peaked_inputs(gen, device, N, V, D)
     order = vocab_order(e, c, None, targets)
     lse, tile_bound = _forward_with_bounds(e, c, targets, order)
     grid = kernel_configs(e.dtype).live_grid
@@ -134,7 +123,7 @@ def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: s
 def _one_token_block_with_one_target(gen: torch.Generator, device: str):
     """One live-grid block of peaked tokens where only the first has a target: (e, c, grid,
     targets, prob_scale with 1 on that token)."""
-    e, c, _ = _peaked_inputs(gen, device)
+    e, c, _ = peaked_inputs(gen, device, N, V, D)
     grid = kernel_configs(e.dtype).live_grid
     e = e[: grid.block_tokens]
     targets = torch.full((e.shape[0],), -1, device=device)
@@ -181,7 +170,7 @@ def test_forward_only_calls_prepare_no_backward(gen: torch.Generator, device: st
         raise AssertionError("vocab_order ran")
 
     monkeypatch.setattr(cce.cce_function, "vocab_order", must_not_run)
-    e, c, targets = _peaked_inputs(gen, device)
+    e, c, targets = peaked_inputs(gen, device, N, V, D)
     e.requires_grad_()
     with torch.no_grad():
         cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
