@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -11,6 +11,30 @@ from cce.config import interpreting, kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.vocab_order import live_tiles, target_positions, vocab_order
+
+
+class ForwardResults(NamedTuple):
+    """What the forward's kernels produce (:func:`forward_kernels`)."""
+
+    order: Optional[torch.Tensor]  # int32 (V,) vocabulary order
+    target_logit: torch.Tensor  # float32 (N,)
+    lse: torch.Tensor  # float32 (N,)
+    tile_bound: Optional[torch.Tensor]  # float32 live-grid table, see cce.lse_forward
+
+
+def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                    targets: torch.Tensor, softcap: Optional[float], records_bounds: bool,
+                    vocab_sorting: bool) -> ForwardResults:
+    """Run the forward's kernels: vocabulary order, indexed dot, linear-log-sum-exp.
+    ``records_bounds``: a filtering backward will follow, so the forward records the bounds of
+    the live grid's tiles (else None) and, with ``vocab_sorting``, sorts the vocabulary first
+    (else the order is None: sorting only serves the backward's skipping)."""
+    order = vocab_order(e, c, bias, targets) if records_bounds and vocab_sorting else None
+    target_logit = indexed_dot(e, c, targets, bias, softcap)
+    # The target logits double as lower bounds of the LSE for the tile bounds.
+    lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
+                                  target_logit if records_bounds else None)
+    return ForwardResults(order, target_logit, lse, tile_bound)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -22,13 +46,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 vocab_sorting: bool, needs_grad: bool):
         # needs_grad comes from outside: grad mode is always off in here, and
         # ctx.needs_input_grad is True under torch.no_grad too.
-        # Sorting only serves the backward's skipping: without a filter it would buy nothing.
-        skips_tiles = needs_grad and filter_eps is not None
-        order = vocab_order(e, c, bias, targets) if skips_tiles and vocab_sorting else None
-        target_logit = indexed_dot(e, c, targets, bias, softcap)
-        # The target logits double as lower bounds of the LSE for the tile bounds.
-        lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
-                                      target_logit if skips_tiles else None)
+        order, target_logit, lse, tile_bound = forward_kernels(
+            e, c, bias, targets, softcap, records_bounds=needs_grad and filter_eps is not None,
+            vocab_sorting=vocab_sorting)
         loss = torch.where(targets >= 0, lse - target_logit, 0.0)
         ctx.save_for_backward(e, c, bias, targets, lse, order, tile_bound)
         ctx.softcap = softcap

@@ -69,5 +69,5 @@ class TileLists:
     def of(flags: torch.Tensor, longest: int) -> "TileLists":
         """The lists of ``flags`` (rows = vocabulary blocks); ``longest``: known to the host."""
         lists, counts = live_lists(flags)
-        first_slots = (torch.cumsum(counts, dim=0, dtype=torch.int32) - counts).to(torch.int32)
+        first_slots = torch.cumsum(counts, dim=0, dtype=torch.int32) - counts
         return TileLists(lists, counts, first_slots, longest)

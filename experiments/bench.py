@@ -38,11 +38,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 import cce
+from cce.cce_function import forward_kernels
 from cce.config import kernel_configs
-from cce.indexed_dot import indexed_dot
 from cce.loss import default_filter_eps
-from cce.lse_forward import lse_forward
-from cce.vocab_order import live_tiles, target_positions, vocab_order
+from cce.vocab_order import live_tiles, target_positions
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
                                  WrittenResults, add_sections, float64_reference, measure_loss,
@@ -441,9 +440,8 @@ def cce_table_fraction(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) 
     eps = default_filter_eps(e.dtype)
     targets = torch.where(targets >= 0, targets, -1)  # cce's canonical targets
     with torch.no_grad():
-        order = vocab_order(e, c, None, targets)
-        target_logit = indexed_dot(e, c, targets, None, None)
-        lse, tile_bound = lse_forward(e, c, None, None, targets, order, target_logit)
+        order, _, lse, tile_bound = forward_kernels(e, c, None, targets, None,
+                                                    records_bounds=True, vocab_sorting=True)
         grid = kernel_configs(e.dtype).live_grid
         table = live_tiles(tile_bound, lse, (targets >= 0).float(),
                            target_positions(targets, order), grid.block_tokens,
