@@ -33,7 +33,7 @@ def test_quick_mode_writes_a_finite_row_for_every_method(tmp_path: Path) -> None
     for info in shapes.values():
         assert info["data"].startswith("synthetic")
         assert set(info["sparsity"]) >= {"entries_per_row", "tiles_nonempty",
-                                         "tiles_nonempty_sorted"}
+                                         "tiles_nonempty_sorted", "mass_above_eps"}
     rows = results["rows"]
     assert [row["method"] for row in rows] == list(bench.METHODS)
     measured = [row for row in rows if "skipped" not in row]
@@ -74,8 +74,13 @@ def test_sparsity_statistics_match_brute_force() -> None:
     assert statistics["entries_per_row"] == float(above.sum()) / int(valid.sum())
     assert statistics["tiles_nonempty"] == nonempty_fraction(above)
     assert statistics["tiles_nonempty_sorted"] == nonempty_fraction(above[:, order])
-    # The inputs are what they claim: a sparse softmax that sorting concentrates.
+    # Float32 against float64: the sums agree to float32's precision, not bit for bit.
+    expected_mass = float(torch.where(above, probs, 0).sum(dim=1).mean())
+    assert math.isclose(statistics["mass_above_eps"], expected_mass, rel_tol=1e-5)
+    # The inputs are what they claim: a sparse softmax that sorting concentrates, most of its
+    # mass in the entries >= eps.
     assert statistics["tiles_nonempty_sorted"] < statistics["tiles_nonempty"] < 1
+    assert 0.5 < statistics["mass_above_eps"] < 1
 
 
 def test_lm_like_inputs_are_reproducible_and_well_formed() -> None:
@@ -91,22 +96,51 @@ def test_lm_like_inputs_are_reproducible_and_well_formed() -> None:
 
 
 def test_calibrate_recovers_statistics_it_can_reach() -> None:
-    from experiments.synthetic import (LMLikeParameters, _embeddings, calibrate,
+    from experiments.synthetic import (STATISTICS, LMLikeParameters, _embeddings, calibrate,
                                        sparsity_statistics)
 
-    size = dict(n_tokens=512, vocab_size=8192, dim=64)
-    truth = LMLikeParameters(zipf_exponent=0.9, candidate_boost=10.0, id_shuffle=2.0)
+    # Large enough a vocabulary that not every tile is live, enough tiles to resolve 3%.
+    size = dict(n_tokens=512, vocab_size=32768, dim=128)
+    truth = LMLikeParameters(zipf_exponent=2.0, zipf_offset=10.0, candidate_boost=8.0,
+                             id_shuffle=1.5)
     generator = torch.Generator().manual_seed(0)
     e, c = _embeddings(*size.values(), truth, generator, "cpu")
     reachable = sparsity_statistics(e.bfloat16(), c.bfloat16(),
                                     torch.zeros(size["n_tokens"], dtype=torch.long))
 
-    start = LMLikeParameters(zipf_exponent=1.2, candidate_boost=13.0, id_shuffle=4.0)
+    start = LMLikeParameters(zipf_exponent=1.9, zipf_offset=8.0, candidate_boost=7.5,
+                             id_shuffle=1.3)
     _, achieved = calibrate(reachable, **size, start=start, tolerance=0.03,
-                            max_evaluations=20, log=lambda _: None)
+                            max_evaluations=30, log=lambda _: None)
 
+    assert len(STATISTICS) == len(start.calibrated_values()) == 4
     for name in ("entries_per_row", "tiles_nonempty", "tiles_nonempty_sorted"):
         assert abs(achieved[name] / reachable[name] - 1) <= 0.03, (name, achieved, reachable)
+    # The mass is matched through what lies below eps, 3% of it.
+    below, reachable_below = 1 - achieved["mass_above_eps"], 1 - reachable["mass_above_eps"]
+    assert abs(below / reachable_below - 1) <= 0.03, (achieved, reachable)
+
+
+def test_id_shuffle_only_renumbers_the_vocabulary() -> None:
+    from experiments.synthetic import CALIBRATED, _embeddings, sparsity_statistics
+
+    inputs, statistics = [], []
+    for id_shuffle in (0.5, 4.0):
+        parameters = CALIBRATED.with_calibrated_values(
+            [*CALIBRATED.calibrated_values()[:3], id_shuffle])
+        e, c = _embeddings(256, 32768, 128, parameters, torch.Generator().manual_seed(0), "cpu")
+        inputs.append((e, c))
+        statistics.append(sparsity_statistics(e.bfloat16(), c.bfloat16(),
+                                              torch.zeros(256, dtype=torch.long)))
+
+    (e, c), (shuffled_e, shuffled_c) = inputs
+    assert torch.equal(shuffled_e, e)
+    # The same rows of c in another order (their norms, sorted, are the same numbers).
+    assert torch.equal(shuffled_c.norm(dim=1).sort().values, c.norm(dim=1).sort().values)
+    ordered, shuffled = statistics
+    for name in ("entries_per_row", "mass_above_eps"):
+        assert math.isclose(shuffled[name], ordered[name], rel_tol=1e-4), name
+    assert shuffled["tiles_nonempty"] > ordered["tiles_nonempty"]
 
 
 def test_float64_reference_matches_autograd_in_chunks() -> None:
