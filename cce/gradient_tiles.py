@@ -33,11 +33,11 @@ def gradient_tiles_kernel(
     tile_lists_ptr, tile_counts_ptr, first_slots_ptr,
     num_tokens, vocab_size, dim, num_vocab_blocks,
     first_token_block, first_vocab_block, chunk_token_blocks, chunk_vocab_blocks,
-    longest_list, list_stride, segments_per_page, page_stride,
+    longest_list, list_stride, page_stride,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
     SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr, LISTED: tl.constexpr,
-    SCRATCH_IN_ORDER: tl.constexpr,
+    SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -71,7 +71,7 @@ def gradient_tiles_kernel(
         row_mask = rows < num_tokens
         # Where the tile goes, looked up before the tile is computed: afterwards the lookup
         # competes with the tile for registers.
-        offsets = segment_offsets(pages_ptr, segments, row_mask, segments_per_page, page_stride,
+        offsets = segment_offsets(pages_ptr, segments, row_mask, page_stride, SEGMENTS_PER_PAGE,
                                   BLOCK_VOCAB, SCRATCH_IN_ORDER)
         positions = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
         vocab, vocab_mask = vocab_block_entries(
@@ -141,12 +141,12 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
         num_tokens, c.shape[0], dim, triton.cdiv(c.shape[0], grid.block_vocab),
         token_blocks.start, vocab_blocks.start, len(token_blocks), len(vocab_blocks),
         tile_lists.longest if listed else 1, tile_lists.lists.stride(0) if listed else 0,
-        scratch.segments_per_page, scratch.page_stride,
+        scratch.page_stride,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0, filter_eps or 0.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
         FILTER=filter_eps is not None, SORTED=vocab_order is not None,
         SKIP_DEAD_TILES=live_tiles is not None, LISTED=listed,
-        SCRATCH_IN_ORDER=scratch.in_order,
+        SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -35,10 +35,10 @@ from cce.scratch import Scratch, segment_offsets
 def sparse_tile_matmul_kernel(
     scratch_ptr, pages_ptr, live_lists_ptr, live_counts_ptr, first_slots_ptr, operand_ptr,
     vocab_order_ptr, out_ptr, partial_ptr, grad_bias_ptr,
-    num_tokens, vocab_size, dim, chunk_vocab_blocks, segments_per_page, page_stride,
+    num_tokens, vocab_size, dim, chunk_vocab_blocks, page_stride,
     first_block, num_out_blocks, list_stride, stride_operand_row, stride_operand_dim,
     TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLITS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr,
+    SPLITS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     BLOCK_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -73,8 +73,8 @@ def sparse_tile_matmul_kernel(
             token_mask = token_rows < num_tokens
             segments = ((first_slot + position).to(tl.int64) * BLOCK_TOKENS
                         + tl.arange(0, BLOCK_TOKENS))
-            offsets = segment_offsets(pages_ptr, segments, token_mask, segments_per_page,
-                                      page_stride, BLOCK_VOCAB, SCRATCH_IN_ORDER)
+            offsets = segment_offsets(pages_ptr, segments, token_mask, page_stride,
+                                      SEGMENTS_PER_PAGE, BLOCK_VOCAB, SCRATCH_IN_ORDER)
             operand_a = tl.trans(tl.load(scratch_ptr + offsets, mask=token_mask[:, None],
                                          other=0.0))
             operand_b = tl.load(
@@ -85,8 +85,8 @@ def sparse_tile_matmul_kernel(
                 grad_bias += tl.sum(operand_a.to(tl.float32), axis=1)
         else:
             segments = chunk_rows.to(tl.int64) * chunk_vocab_blocks + other_block
-            offsets = segment_offsets(pages_ptr, segments, row_mask, segments_per_page,
-                                      page_stride, BLOCK_VOCAB, SCRATCH_IN_ORDER)
+            offsets = segment_offsets(pages_ptr, segments, row_mask, page_stride,
+                                      SEGMENTS_PER_PAGE, BLOCK_VOCAB, SCRATCH_IN_ORDER)
             operand_a = tl.load(scratch_ptr + offsets, mask=row_mask[:, None], other=0.0)
             vocab, vocab_mask = vocab_block_entries(
                 vocab_order_ptr, other_block, vocab_size, BLOCK_VOCAB, SORTED)
@@ -184,10 +184,11 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
         scratch.buffer, scratch.pages, lists, counts, first_slots, operand, vocab_order, out,
         partial,
         grad_bias, num_tokens, vocab_size, dim, chunk_vocab_blocks,
-        scratch.segments_per_page, scratch.page_stride, first_block, num_out_blocks,
+        scratch.page_stride, first_block, num_out_blocks,
         lists.stride(0), operand.stride(0), operand.stride(1),
         TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
         SPLITS=splits, SCRATCH_IN_ORDER=scratch.in_order,
+        SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_OUT=_block_out(dim, operand.dtype), DOT_PRECISION=dot_precision(operand.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
