@@ -7,7 +7,7 @@ found in a list (:mod:`cce.live_lists`: the grid blocks with a stored tile, ``li
 them). Walking a list instead of testing every tile keeps the loop free of branches, so Triton can
 pipeline its loads. The output is written once, in its dtype: no atomics, deterministic. When
 the output has too few blocks to fill the GPU, each list is split among SPLITS programs that
-write float32 partial sums, added up afterwards (dE only).
+write float32 partial sums, added up afterwards (dE only; :mod:`cce.partial_sums`).
 
 - dE (TRANSPOSED=False): output rows are the chunk's tokens; the list walks vocabulary blocks;
   the second operand is rows of c, through the vocabulary order.
@@ -28,6 +28,7 @@ import triton.language as tl
 from cce.config import dot_precision, kernel_configs, split_count
 from cce.live_lists import TileLists, live_lists
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
+from cce.partial_sums import sum_partials
 from cce.scratch import Scratch, segment_offsets
 
 
@@ -194,9 +195,6 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if partial is not None:
-        # Summed in place and copied with conversion: no temporary as large as the chunk.
-        for split in range(1, splits):
-            partial[0].add_(partial[split])
         first_row = first_block * grid.block_tokens
         valid_rows = min(rows, num_tokens - first_row)
-        out[first_row:first_row + valid_rows].copy_(partial[0, :valid_rows])
+        sum_partials(partial[:, :valid_rows], out[first_row:first_row + valid_rows])

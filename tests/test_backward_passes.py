@@ -16,9 +16,11 @@ import pytest
 import torch
 
 import cce.backward
+import cce.sparse_tile_matmul
 from cce.cce_function import LinearCrossEntropyFunction
 from cce.config import kernel_configs
 from cce.live_lists import live_lists
+from cce.partial_sums import sum_partials
 from tests.helpers import (check, make_grad_output, make_inputs, peaked_inputs,
                            run_reference)
 from tests.reference import relative_error
@@ -71,6 +73,27 @@ def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional
     assert len(embeddings_chunks) >= 2
     assert in_spare.count(False) >= 2 and in_spare[-1]
     assert in_spare == sorted(in_spare)  # free rows first, then the spare buffer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_embeddings_product_matches_reference(dtype: torch.dtype, device: str,
+                                                    gen: torch.Generator,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each output block's list of the dE product split among 3 programs, as on a GPU when a
+    chunk has too few output blocks to fill it: the partial sums add up to the exact dE."""
+    monkeypatch.setattr(cce.sparse_tile_matmul, "split_count", lambda *args, **kwargs: 3)
+    sums = []
+    original = cce.sparse_tile_matmul.sum_partials
+
+    def spy(partial: torch.Tensor, out: torch.Tensor) -> None:
+        sums.append(partial.shape[0])
+        original(partial, out)
+
+    monkeypatch.setattr(cce.sparse_tile_matmul, "sum_partials", spy)
+    vocab, dim = _shape(dtype)
+    inputs = make_inputs(gen, device, dtype, shape=(N,), vocab=vocab, dim=dim)
+    check("cce", inputs, gen, "mean")
+    assert sums and set(sums) == {3}
 
 
 @pytest.mark.parametrize("spare_tiles", [9, 30])
@@ -150,6 +173,28 @@ def test_live_lists_hold_the_stored_tiles_of_each_row_in_order(layout: str, colu
         expected = torch.nonzero(flags[row]).flatten().to(torch.int32)
         assert int(counts[row]) == expected.numel()
         assert torch.equal(lists[row, :expected.numel()], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sum_partials_adds_the_splits_in_order_and_rounds_once(dtype: torch.dtype, device: str,
+                                                              gen: torch.Generator) -> None:
+    """The split dE product's epilogue: out = ((p0 + p1) + p2) in float32, rounded to out's
+    dtype once, as torch rounds; here into the first rows of a larger buffer, as for a chunk's
+    valid rows (a count that is no multiple of the kernel's block)."""
+    partial = torch.randn(3, 40, 72, generator=gen).to(device)
+    out = torch.zeros(50, 72, dtype=dtype, device=device)
+    sum_partials(partial[:, :37], out[5:42])
+    expected = ((partial[0, :37] + partial[1, :37]) + partial[2, :37]).to(dtype)
+    assert torch.equal(out[5:42], expected)
+    assert not out[:5].any() and not out[42:].any()
+
+
+def test_sum_partials_rejects_an_output_it_cannot_write_in_place(device: str) -> None:
+    partial = torch.zeros(2, 8, 4, device=device)
+    with pytest.raises(ValueError, match=r"out must be a contiguous \(8, 4\) tensor"):
+        sum_partials(partial, torch.zeros(4, 8, device=device).T)
+    with pytest.raises(ValueError, match=r"out must be a contiguous \(8, 4\) tensor"):
+        sum_partials(partial, torch.zeros(8, 5, device=device))
 
 
 def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
