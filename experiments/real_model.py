@@ -85,8 +85,8 @@ def check_tokenizer(tokenizer: Any) -> None:
 
     transformers before 5.18 cuts words into pieces that are not Gemma's (" instruction" in 5
     tokens, not the vocabulary's one), and before 5.23 drops the BOS that the GGUF file asks
-    for. Both still give a model that runs, on text it was not trained on: a flatter softmax,
-    so every sparsity statistic, timing and error measured on it is off.
+    for. Both still give a model that runs, on token sequences unlike its training data: a
+    flatter softmax, so every sparsity statistic, timing and error measured on it is off.
     """
     import transformers
 
