@@ -13,6 +13,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +50,9 @@ def environment() -> dict[str, Any]:
         "cuda": torch.version.cuda if ON_GPU else None,
         "cce": _package_version("cce"),
         "python": platform.python_version(),
+        # The version that tokenized the real data, if this process loaded it: the Gemma 3
+        # tokenizer depends on it (experiments.real_model.check_tokenizer).
+        "transformers": _imported_version("transformers"),
         # cce turns the interpreter on by itself on a machine with no CUDA device.
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -286,10 +290,19 @@ def _package_version(name: str) -> Optional[str]:
         return None
 
 
+def _imported_version(name: str) -> Optional[str]:
+    """The version of module ``name`` if this process imported it (None otherwise: importing
+    it here would be a side effect)."""
+    module = sys.modules.get(name)
+    return getattr(module, "__version__", None) if module is not None else None
+
+
 def _markdown_report(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
                      env: dict[str, Any], device_dependent: bool, group_by: Optional[str]
                      ) -> str:
     versions = [f"torch {env['torch']}", f"triton {env['triton']}", f"Python {env['python']}"]
+    if env.get("transformers"):
+        versions.append(f"transformers {env['transformers']}")
     if env["cuda"]:
         versions.insert(1, f"CUDA {env['cuda']}")
     lines = [f"# {name}", "", f"Device: {env['device']} · {' · '.join(versions)} · {env['date']}",

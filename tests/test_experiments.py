@@ -58,6 +58,24 @@ def test_cpu_results_say_loudly_that_they_are_not_gpu_timings(tmp_path: Path) ->
     assert written.errors == ["Boom: a|b"]
 
 
+def test_results_record_the_transformers_that_tokenized_real_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real data depends on the tokenizer's transformers version: a process that imported
+    transformers records the version it imported; one that did not records None."""
+    import sys
+    import types
+
+    from experiments.harness import environment, write_results
+
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="9.8.7"))
+    written = write_results("smoke", [{"variant": "x"}], {}, tmp_path)
+    assert json.loads(written.json_path.read_text())["environment"]["transformers"] == "9.8.7"
+    assert "transformers 9.8.7" in written.markdown
+
+    monkeypatch.delitem(sys.modules, "transformers")
+    assert environment()["transformers"] is None
+
+
 def test_main_rejects_an_unknown_experiment() -> None:
     from experiments.__main__ import main
 
