@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import triton
 
@@ -80,9 +81,9 @@ def linear_cross_entropy_backward(
         if listed is None:
             listed = torch.ones_like(flags)
         # One host sync: how many tiles each vocabulary block stores sets the chunks' widths.
-        tiles_per_block = (listed != 0).sum(dim=0).tolist()
+        tiles_per_block = (listed != 0).sum(dim=0).cpu().numpy()
         tile_bytes = grid.block_tokens * grid.block_vocab * c.element_size()
-        spare_tiles = max(spare_scratch_bytes() // tile_bytes, max(tiles_per_block))
+        spare_tiles = max(spare_scratch_bytes() // tile_bytes, int(tiles_per_block.max()))
         # Vocabulary positions -> rows of dC: the free rows are those of later positions.
         position_rows = (vocab_order if vocab_order is not None else
                          torch.arange(vocab_size, dtype=torch.int32, device=c.device))
@@ -98,8 +99,9 @@ def linear_cross_entropy_backward(
             else:
                 free_rows = position_rows[vocab_blocks.stop * grid.block_vocab:]
                 scratch = Scratch.in_rows(grad_c, free_rows, grid.block_vocab)
-            tile_lists = TileLists.of(listed[:, vocab_blocks.start:vocab_blocks.stop].T,
-                                      max(tiles_per_block[vocab_blocks.start:vocab_blocks.stop]))
+            tile_lists = TileLists.of(
+                listed[:, vocab_blocks.start:vocab_blocks.stop].T,
+                int(tiles_per_block[vocab_blocks.start:vocab_blocks.stop].max()))
             listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale,
                                   target_scale, vocab_order, filter_eps, scratch, tile_lists,
                                   vocab_blocks)
@@ -154,34 +156,41 @@ def _room_after(scratch: Scratch, used_segments: int) -> Optional[torch.Tensor]:
     return scratch.buffer[start:end].view(torch.float32) if end > start else None
 
 
-def _classifier_chunks(tiles_per_block: "list[int]", vocab_size: int, dim: int,
+def _classifier_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
                        block_tokens: int, block_vocab: int, rows_hold_segments: bool,
                        spare_tiles: int) -> "list[tuple[range, bool]]":
     """Pass 2's chunks of vocabulary blocks, in order, and whether each is stored in the spare
     buffer. A chunk's tiles (``tiles_per_block`` of each block, ``block_tokens`` segments each)
     go to the rows of dC of later positions (``dim / block_vocab`` segments per row): each chunk
     is the widest whose tiles fit there. Once not even one block's do, every later chunk goes to
-    the spare buffer, as many blocks as its ``spare_tiles`` hold (at least one block's)."""
-    segments_per_row = dim // block_vocab
+    the spare buffer, as many blocks as its ``spare_tiles`` hold (at least one block's).
 
-    def free_rows_hold(end: int, tiles: int) -> bool:
-        return tiles * block_tokens <= (vocab_size - end * block_vocab) * segments_per_row
+    Runs while the GPU waits for it (after pass 2's host sync), so each chunk's end is a binary
+    search rather than a Python loop over the blocks (2048 of them at V = 262144)."""
+    num_blocks = len(tiles_per_block)
+    tiles_before = np.zeros(num_blocks + 1, dtype=np.int64)  # tiles of the blocks before k
+    np.cumsum(tiles_per_block, out=tiles_before[1:])
+    # Blocks [first, end) fit in the free rows when their segments, plus the segments of the
+    # rows up to the end of block `end`, are at most all of dC's:
+    #   (tiles_before[end] - tiles_before[first]) * block_tokens
+    #       <= (vocab_size - end * block_vocab) * segments_per_row,
+    # and the left-hand side minus the right one grows with `end`.
+    segments_per_row = dim // block_vocab
+    footprint = (tiles_before * block_tokens
+                 + np.arange(num_blocks + 1, dtype=np.int64) * block_vocab * segments_per_row)
 
     chunks = []
     first = 0
     in_spare = not rows_hold_segments
-    while first < len(tiles_per_block):
-        end, tiles = first, 0
+    while first < num_blocks:
+        end = first
         if not in_spare:
-            while (end < len(tiles_per_block)
-                   and free_rows_hold(end + 1, tiles + tiles_per_block[end])):
-                tiles += tiles_per_block[end]
-                end += 1
+            room = vocab_size * segments_per_row + tiles_before[first] * block_tokens
+            end = int(np.searchsorted(footprint, room, side="right")) - 1
             in_spare = end == first
         if in_spare:
-            while end < len(tiles_per_block) and tiles + tiles_per_block[end] <= spare_tiles:
-                tiles += tiles_per_block[end]
-                end += 1
+            end = int(np.searchsorted(tiles_before, tiles_before[first] + spare_tiles,
+                                      side="right")) - 1
         chunks.append((range(first, end), in_spare))
         first = end
     return chunks

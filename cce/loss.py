@@ -58,7 +58,9 @@ def linear_cross_entropy(
     Args:
         e: embeddings, shape (..., D), float32/float16/bfloat16.
         c: classifier, shape (V, D), same dtype and device as ``e``.
-        targets: integer tensor of shape ``e.shape[:-1]``, values in [0, V) or ``ignore_index``.
+        targets: integer tensor of shape ``e.shape[:-1]``, values in [0, V) or ``ignore_index``
+            (else ``ValueError``; under torch.compile or CUDA graph capture, where the host
+            cannot read the check, the loss is NaN instead).
         bias: optional (V,) bias added to every logit row.
         ignore_index: target value that contributes neither loss nor gradient.
         softcap: logit soft-capping value (Gemma 2), or None.
@@ -81,11 +83,19 @@ def linear_cross_entropy(
                      vocab_sorting, impl)
     eps = default_filter_eps(e.dtype) if filter_eps == "auto" else filter_eps
 
-    canonical_targets = _canonical_targets(targets, ignore_index, shift, c.shape[0])
+    canonical_targets, out_of_range = _canonical_targets(targets, ignore_index, shift,
+                                                         c.shape[0])
+    found_out_of_range = _start_reading_any(out_of_range)
     flat_e = e.reshape(-1, e.shape[-1])
     token_loss, lse = IMPLEMENTATIONS[impl](
         flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting
     )
+    if found_out_of_range is None:
+        # No host check possible (torch.compile, CUDA graph capture): poison the loss instead.
+        token_loss = torch.where(out_of_range.any(), float("nan"), token_loss)
+    elif found_out_of_range():
+        raise ValueError(f"targets must be in [0, {c.shape[0]}) or equal ignore_index="
+                         f"{ignore_index}; found {targets[out_of_range][0].item()}")
 
     valid = canonical_targets >= 0
     if reduction == "none":
@@ -130,20 +140,41 @@ class LinearCrossEntropy(nn.Module):
 
 
 def _canonical_targets(targets: torch.Tensor, ignore_index: int, shift: int,
-                       vocab_size: int) -> torch.Tensor:
-    """int64 targets with -1 at ignored positions, already shifted; shape of ``targets``."""
+                       vocab_size: int) -> "tuple[torch.Tensor, torch.Tensor]":
+    """int64 targets with -1 at ignored positions, already shifted, shape of ``targets``; and
+    where ``targets`` is out of range (those count as ignored here, so that no kernel indexes
+    outside c before the caller raises)."""
     valid = targets != ignore_index
-    if not torch.compiler.is_compiling():
-        # One host sync: an out-of-range target would otherwise index outside c.
-        out_of_range = valid & ((targets < 0) | (targets >= vocab_size))
-        if bool(out_of_range.any()):
-            raise ValueError(f"targets must be in [0, {vocab_size}) or equal ignore_index="
-                             f"{ignore_index}; found {targets[out_of_range][0].item()}")
-    canonical = torch.where(valid, targets.long(), -1)
+    out_of_range = valid & ((targets < 0) | (targets >= vocab_size))
+    canonical = torch.where(valid & ~out_of_range, targets.long(), -1)
     if shift:
         ignored_tail = torch.full_like(canonical[..., :shift], -1)
         canonical = torch.cat([canonical[..., shift:], ignored_tail], dim=-1)
-    return canonical
+    return canonical, out_of_range
+
+
+def _start_reading_any(mask: torch.Tensor) -> Optional[Callable[[], bool]]:
+    """A function that tells whether ``mask`` has a True, or None where the host cannot read
+    it (torch.compile, CUDA graph capture). On a GPU the flag is copied to pinned memory and
+    read only once the loss's kernels are queued behind it: the host waits for the work queued
+    before the check, as a sync would, but the GPU has the loss to run meanwhile."""
+    if torch.compiler.is_compiling():
+        return None
+    found = mask.any()
+    if found.device.type != "cuda":
+        return lambda: bool(found)
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    host_found = torch.empty((), dtype=torch.bool, pin_memory=True)
+    host_found.copy_(found, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> bool:
+        copied.synchronize()
+        return bool(host_found)
+
+    return read
 
 
 def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,

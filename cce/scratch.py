@@ -18,6 +18,7 @@ segments ``k * BLOCK_TOKENS + row in the tile``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -41,18 +42,24 @@ def segment_offsets(pages_ptr, segments, mask, page_stride, SEGMENTS_PER_PAGE: t
 
 @dataclass(frozen=True)
 class Scratch:
-    """Storage for chunks of G: ``buffer`` (flat), its ``pages`` and their layout."""
+    """Storage for chunks of G: ``buffer`` (flat), its pages and their layout."""
 
     buffer: torch.Tensor
-    pages: torch.Tensor  # int32 page indices, in the order segments fill them
+    # int32 page indices, in the order segments fill them; None when the pages are the
+    # buffer's, in order (segment s starts at element s * segment_elements).
+    pages: Optional[torch.Tensor]
+    num_pages: int
     segments_per_page: int
     page_stride: int
     segment_elements: int  # BLOCK_VOCAB
-    in_order: bool = False  # segment s starts at element s * segment_elements of the buffer
+
+    @property
+    def in_order(self) -> bool:
+        return self.pages is None
 
     @property
     def segments(self) -> int:
-        return self.pages.shape[0] * self.segments_per_page
+        return self.num_pages * self.segments_per_page
 
     @property
     def segment_bytes(self) -> int:
@@ -61,23 +68,21 @@ class Scratch:
     @staticmethod
     def in_rows(matrix: torch.Tensor, rows: torch.Tensor, block_vocab: int) -> "Scratch":
         """Pages = the given rows of ``matrix`` (e.g. rows of dC not written yet)."""
-        return Scratch(matrix.view(-1), rows, matrix.shape[1] // block_vocab, matrix.shape[1],
-                       block_vocab)
+        return Scratch(matrix.view(-1), rows, rows.shape[0], matrix.shape[1] // block_vocab,
+                       matrix.shape[1], block_vocab)
 
     @staticmethod
     def in_all_rows(matrix: torch.Tensor, block_vocab: int) -> "Scratch":
         """Pages = every row of ``matrix``, in order."""
-        rows = torch.arange(matrix.shape[0], dtype=torch.int32, device=matrix.device)
-        return Scratch(matrix.view(-1), rows, matrix.shape[1] // block_vocab, matrix.shape[1],
-                       block_vocab, in_order=True)
+        return Scratch(matrix.view(-1), None, matrix.shape[0], matrix.shape[1] // block_vocab,
+                       matrix.shape[1], block_vocab)
 
     @staticmethod
     def dedicated(segments: int, block_vocab: int, dtype: torch.dtype,
                   device: torch.device) -> "Scratch":
         """A buffer of its own, one segment per page."""
         buffer = torch.empty(segments * block_vocab, dtype=dtype, device=device)
-        pages = torch.arange(segments, dtype=torch.int32, device=device)
-        return Scratch(buffer, pages, 1, block_vocab, block_vocab, in_order=True)
+        return Scratch(buffer, None, segments, 1, block_vocab, block_vocab)
 
 
 def rows_can_hold_segments(matrix: torch.Tensor, block_vocab: int) -> bool:

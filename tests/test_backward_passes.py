@@ -12,6 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,7 +105,7 @@ def test_classifier_chunks_are_the_widest_that_fit(spare_tiles: int,
     spare buffer holds (tiles per block as sorting leaves them: many at the head, few after)."""
     block_tokens, block_vocab, dim = 32, 128, 256
     vocab = 60 * block_vocab - 5
-    tiles_per_block = [9] * 6 + torch.randint(0, 4, (54,), generator=gen).tolist()
+    tiles_per_block = np.array([9] * 6 + torch.randint(0, 4, (54,), generator=gen).tolist())
     chunks = cce.backward._classifier_chunks(tiles_per_block, vocab, dim, block_tokens,
                                              block_vocab, True, spare_tiles)
 

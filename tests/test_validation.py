@@ -107,6 +107,19 @@ def test_out_of_range_target_rejected_by_every_impl(impl: str, device: str) -> N
         call(arguments, impl=impl)
 
 
+@pytest.mark.parametrize("impl", COMPUTE_IMPLS)
+def test_out_of_range_target_poisons_the_loss_where_the_host_cannot_check(
+        impl: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.compile (and CUDA graph capture) no ValueError can be raised from the data:
+    the loss is NaN instead, and no kernel reads outside c."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    arguments = valid_arguments(device)
+    arguments["targets"][2, 3] = V
+    assert torch.isnan(call(arguments, impl=impl))
+    arguments = valid_arguments(device)
+    assert torch.isfinite(call(arguments, impl=impl))
+
+
 @pytest.mark.parametrize("option, value", [("reduction", "avg"), ("impl", "triton"),
                                            ("shift", -1), ("filter_eps", 0.0)])
 def test_module_checks_options_when_constructed(option: str, value) -> None:
