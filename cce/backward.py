@@ -41,13 +41,12 @@ def linear_cross_entropy_backward(
     bias: Optional[torch.Tensor], softcap: Optional[float], lse: torch.Tensor,
     prob_scale: torch.Tensor,
     target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
-    token_order: Optional[torch.Tensor], live_tiles: Optional[torch.Tensor],
-    filter_eps: Optional[float], needs_grad_e: bool, needs_grad_c: bool,
+    live_tiles: Optional[torch.Tensor], filter_eps: Optional[float], needs_grad_e: bool,
+    needs_grad_c: bool,
 ) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
     """(dE, dC, dbias), each None when not needed. ``target_positions``: see
     :func:`cce.vocab_order.target_positions`; ``live_tiles``: the live-grid table of tiles that
-    may hold a significant entry (None: every tile may), its tokens in ``token_order`` (None:
-    in their own order), its vocabulary in ``vocab_order``."""
+    may hold a significant entry (None: every tile may)."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     grid = kernel_configs(e.dtype).live_grid
@@ -71,10 +70,9 @@ def linear_cross_entropy_backward(
         for first in range(0, num_token_blocks, chunk):
             token_blocks = range(first, min(first + chunk, num_token_blocks))
             gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
-                           vocab_order, token_order, live_tiles, filter_eps, flags, scratch,
-                           token_blocks, range(num_vocab_blocks))
-            gradient_times_embeddings(scratch, flags, c, vocab_order, token_order, grad_e,
-                                      token_blocks, room)
+                           vocab_order, live_tiles, filter_eps, flags, scratch, token_blocks,
+                           range(num_vocab_blocks))
+            gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e, token_blocks, room)
         del scratch, room
 
     if needs_grad_c:
@@ -105,10 +103,10 @@ def linear_cross_entropy_backward(
                 listed[:, vocab_blocks.start:vocab_blocks.stop].T,
                 int(tiles_per_block[vocab_blocks.start:vocab_blocks.stop].max()))
             listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale,
-                                  target_scale, vocab_order, token_order, filter_eps, scratch,
-                                  tile_lists, vocab_blocks)
-            gradient_times_classifier(scratch, tile_lists, e, vocab_order, token_order, grad_c,
-                                      grad_bias, vocab_blocks)
+                                  target_scale, vocab_order, filter_eps, scratch, tile_lists,
+                                  vocab_blocks)
+            gradient_times_classifier(scratch, tile_lists, e, vocab_order, grad_c, grad_bias,
+                                      vocab_blocks)
     return grad_e, grad_c, grad_bias
 
 

@@ -10,14 +10,13 @@ from cce.backward import linear_cross_entropy_backward
 from cce.config import interpreting, kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
-from cce.vocab_order import live_tiles, target_positions, tokens_with_targets_first, vocab_order
+from cce.vocab_order import live_tiles, target_positions, vocab_order
 
 
 class ForwardResults(NamedTuple):
     """What the forward's kernels produce (:func:`forward_kernels`)."""
 
     order: Optional[torch.Tensor]  # int32 (V,) vocabulary order
-    token_order: Optional[torch.Tensor]  # int32 (N,) token order of the tile grid
     target_logit: torch.Tensor  # float32 (N,)
     lse: torch.Tensor  # float32 (N,)
     tile_bound: Optional[torch.Tensor]  # float32 live-grid table, see cce.lse_forward
@@ -25,23 +24,17 @@ class ForwardResults(NamedTuple):
 
 def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                     targets: torch.Tensor, softcap: Optional[float], records_bounds: bool,
-                    vocab_sorting: bool, lse_of_ignored: bool = True) -> ForwardResults:
+                    vocab_sorting: bool) -> ForwardResults:
     """Run the forward's kernels: vocabulary order, indexed dot, linear-log-sum-exp.
     ``records_bounds``: a filtering backward will follow, so the forward records the bounds of
     the live grid's tiles (else None) and, with ``vocab_sorting``, sorts the vocabulary first
-    (else the order is None: sorting only serves the backward's skipping).
-    ``lse_of_ignored``: False when nobody reads the LSE of ignored tokens: it is left at -inf.
-    Either way, the tile grid takes the tokens with a target first (else the token order is
-    None): the backward's tiles then hold no ignored token, and the forward can skip those."""
+    (else the order is None: sorting only serves the backward's skipping)."""
     order = vocab_order(e, c, bias, targets) if records_bounds and vocab_sorting else None
-    token_order = (tokens_with_targets_first(targets)
-                   if records_bounds or not lse_of_ignored else None)
     target_logit = indexed_dot(e, c, targets, bias, softcap)
     # The target logits double as lower bounds of the LSE for the tile bounds.
     lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
-                                  target_logit if records_bounds else None, token_order,
-                                  skip_ignored=not lse_of_ignored)
-    return ForwardResults(order, token_order, target_logit, lse, tile_bound)
+                                  target_logit if records_bounds else None)
+    return ForwardResults(order, target_logit, lse, tile_bound)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -50,21 +43,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, softcap: Optional[float], filter_eps: Optional[float],
-                vocab_sorting: bool, lse_of_ignored: bool, needs_grad: bool):
+                vocab_sorting: bool, needs_grad: bool):
         # needs_grad comes from outside: grad mode is always off in here, and
         # ctx.needs_input_grad is True under torch.no_grad too.
-        order, token_order, target_logit, lse, tile_bound = forward_kernels(
+        order, target_logit, lse, tile_bound = forward_kernels(
             e, c, bias, targets, softcap, records_bounds=needs_grad and filter_eps is not None,
-            vocab_sorting=vocab_sorting, lse_of_ignored=lse_of_ignored)
+            vocab_sorting=vocab_sorting)
         loss = torch.where(targets >= 0, lse - target_logit, 0.0)
-        ctx.save_for_backward(e, c, bias, targets, lse, order, token_order, tile_bound)
+        ctx.save_for_backward(e, c, bias, targets, lse, order, tile_bound)
         ctx.softcap = softcap
         ctx.filter_eps = filter_eps
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
-        e, c, bias, targets, lse, order, token_order, tile_bound = ctx.saved_tensors
+        e, c, bias, targets, lse, order, tile_bound = ctx.saved_tensors
         target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
                         if grad_loss is not None else torch.zeros_like(lse))
         prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
@@ -73,19 +66,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if tile_bound is not None:
             grid = kernel_configs(e.dtype).live_grid
             live = live_tiles(tile_bound, lse, prob_scale, positions, grid.block_tokens,
-                              grid.block_vocab, ctx.filter_eps, token_order)
+                              grid.block_vocab, ctx.filter_eps)
         grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
-            e, c, positions, bias, ctx.softcap, lse, prob_scale, target_scale, order,
-            token_order, live, ctx.filter_eps, needs_grad_e=ctx.needs_input_grad[0],
+            e, c, positions, bias, ctx.softcap, lse, prob_scale, target_scale, order, live,
+            ctx.filter_eps, needs_grad_e=ctx.needs_input_grad[0],
             needs_grad_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        return grad_e, grad_c, grad_bias, None, None, None, None, None, None
+        return grad_e, grad_c, grad_bias, None, None, None, None, None
 
 
 def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
              bias: Optional[torch.Tensor], softcap: Optional[float],
-             filter_eps: Optional[float], vocab_sorting: bool, lse_of_ignored: bool = True):
-    """Canonical-signature entry point (see :mod:`cce.loss`). ``lse_of_ignored=False``: the
-    returned LSE of ignored tokens is -inf, not computed."""
+             filter_eps: Optional[float], vocab_sorting: bool):
+    """Canonical-signature entry point (see :mod:`cce.loss`)."""
     device = e.device
     if device.type == "cpu" and not interpreting():
         # Compiled Triton kernels need CUDA tensors: on a machine with a GPU, CPU inputs run
@@ -102,6 +94,5 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     needs_grad = torch.is_grad_enabled() and any(
         tensor is not None and tensor.requires_grad for tensor in (e, c, bias))
     loss, lse = LinearCrossEntropyFunction.apply(e, c, bias, targets.contiguous(), softcap,
-                                                 filter_eps, vocab_sorting, lse_of_ignored,
-                                                 needs_grad)
+                                                 filter_eps, vocab_sorting, needs_grad)
     return loss.to(device), lse.to(device)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from cce.config import dot_precision, kernel_configs
-from cce.logit_tile import logit_gradient_tile, round_to, token_block_rows, vocab_block_entries
+from cce.logit_tile import logit_gradient_tile, round_to, vocab_block_entries
 from cce.live_lists import TileLists
 from cce.scratch import Scratch, segment_offsets
 
@@ -29,15 +29,14 @@ from cce.scratch import Scratch, segment_offsets
 @triton.jit
 def gradient_tiles_kernel(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
-    vocab_order_ptr, token_order_ptr, live_tiles_ptr, flags_ptr, scratch_ptr, pages_ptr,
+    vocab_order_ptr, live_tiles_ptr, flags_ptr, scratch_ptr, pages_ptr,
     tile_lists_ptr, tile_counts_ptr, first_slots_ptr,
     num_tokens, vocab_size, dim, num_vocab_blocks,
     first_token_block, first_vocab_block, chunk_token_blocks, chunk_vocab_blocks,
     longest_list, list_stride, page_stride,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
-    SORTED: tl.constexpr, TOKENS_ORDERED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr,
-    LISTED: tl.constexpr,
+    SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr, LISTED: tl.constexpr,
     SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -68,8 +67,8 @@ def gradient_tiles_kernel(
     vocab_block = first_vocab_block + chunk_vocab_block
 
     if live:
-        rows, row_mask = token_block_rows(token_order_ptr, token_block, num_tokens,
-                                          BLOCK_TOKENS, TOKENS_ORDERED)
+        rows = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        row_mask = rows < num_tokens
         # Where the tile goes, looked up before the tile is computed: afterwards the lookup
         # competes with the tile for registers.
         offsets = segment_offsets(pages_ptr, segments, row_mask, page_stride, SEGMENTS_PER_PAGE,
@@ -101,15 +100,14 @@ def gradient_tiles_kernel(
 def gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Tensor,
                    bias: Optional[torch.Tensor], softcap: Optional[float], lse: torch.Tensor,
                    prob_scale: torch.Tensor, target_scale: torch.Tensor,
-                   vocab_order: Optional[torch.Tensor], token_order: Optional[torch.Tensor],
-                   live_tiles: Optional[torch.Tensor], filter_eps: Optional[float],
-                   flags: torch.Tensor, scratch: Scratch, token_blocks: range,
-                   vocab_blocks: range) -> None:
+                   vocab_order: Optional[torch.Tensor], live_tiles: Optional[torch.Tensor],
+                   filter_eps: Optional[float], flags: torch.Tensor, scratch: Scratch,
+                   token_blocks: range, vocab_blocks: range) -> None:
     """Pass 1: store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks),
     whole rows of the grid, in ``scratch`` and set their ``flags`` (int32, one per live-grid
     tile: 1 = stored). ``target_positions``: see :func:`cce.vocab_order.target_positions`."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
-            token_order, live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
+            live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
             programs=len(token_blocks) * len(vocab_blocks))
 
 
@@ -117,18 +115,18 @@ def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: to
                           bias: Optional[torch.Tensor], softcap: Optional[float],
                           lse: torch.Tensor, prob_scale: torch.Tensor,
                           target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
-                          token_order: Optional[torch.Tensor], filter_eps: Optional[float],
-                          scratch: Scratch, tile_lists: TileLists, vocab_blocks: range) -> None:
+                          filter_eps: Optional[float], scratch: Scratch, tile_lists: TileLists,
+                          vocab_blocks: range) -> None:
     """Pass 2: store the listed tiles of ``vocab_blocks`` (``tile_lists``: per vocabulary block,
     the token blocks to store), each in its slot; tiles the filter drops are stored as zeros."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
-            token_order, None, filter_eps, None, scratch, range(0), vocab_blocks,
+            None, filter_eps, None, scratch, range(0), vocab_blocks,
             programs=len(vocab_blocks) * tile_lists.longest, tile_lists=tile_lists)
 
 
 def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
-            token_order, live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
-            programs, tile_lists: Optional[TileLists] = None) -> None:
+            live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks, programs,
+            tile_lists: Optional[TileLists] = None) -> None:
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
     grid, config = configs.live_grid, configs.gradient_tiles
@@ -136,8 +134,8 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
         return
     listed = tile_lists is not None
     gradient_tiles_kernel[(programs,)](
-        e, c, bias, target_positions, lse, prob_scale, target_scale, vocab_order, token_order,
-        live_tiles, flags, scratch.buffer, scratch.pages,
+        e, c, bias, target_positions, lse, prob_scale, target_scale, vocab_order, live_tiles,
+        flags, scratch.buffer, scratch.pages,
         tile_lists.lists if listed else None, tile_lists.counts if listed else None,
         tile_lists.first_slots if listed else None,
         num_tokens, c.shape[0], dim, triton.cdiv(c.shape[0], grid.block_vocab),
@@ -147,8 +145,7 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0, filter_eps or 0.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
         FILTER=filter_eps is not None, SORTED=vocab_order is not None,
-        TOKENS_ORDERED=token_order is not None, SKIP_DEAD_TILES=live_tiles is not None,
-        LISTED=listed,
+        SKIP_DEAD_TILES=live_tiles is not None, LISTED=listed,
         SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),

@@ -3,8 +3,7 @@
 A tile is ``z = softcap(E[rows] @ C[vocab].T + bias[vocab])`` for BLOCK_TOKENS rows and
 BLOCK_VOCAB vocabulary entries, accumulated in float32 over D in BLOCK_DIM slices. ``vocab``
 holds vocabulary indices, not positions, so the backward can walk the vocabulary in sorted
-order without reordering ``c`` in memory; ``rows`` likewise holds token indices, so the tile
-grid can put the tokens with a target first without reordering ``e``.
+order without reordering ``c`` in memory.
 """
 
 import triton
@@ -49,20 +48,6 @@ def vocab_block_entries(vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB: t
     else:
         vocab = positions
     return vocab, vocab_mask
-
-
-@triton.jit
-def token_block_rows(token_order_ptr, token_block, num_tokens, BLOCK_TOKENS: tl.constexpr,
-                     ORDERED: tl.constexpr):
-    """Rows of e (token indices) of one block of the tile grid's token positions (positions of
-    ``token_order`` when the tokens are ordered) and the mask of those inside the tokens."""
-    positions = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-    row_mask = positions < num_tokens
-    if ORDERED:
-        rows = tl.load(token_order_ptr + positions, mask=row_mask, other=0)
-    else:
-        rows = positions
-    return rows, row_mask
 
 
 @triton.jit

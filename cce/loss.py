@@ -2,10 +2,8 @@
 
 Every implementation (the CCE kernels and the baselines) computes the same thing from the same
 canonical inputs: ``e`` as (N, D), ``c`` as (V, D), ``targets`` as (N,) int64 with -1 at ignored
-positions. It returns the per-token loss and log-sum-exp as float32 (N,) tensors; with
-``lse_of_ignored=False`` (the caller does not return the LSE) it may leave the LSE of ignored
-tokens at -inf. Reduction and the reshaping back to ``targets``' shape happen here, once, for
-all of them.
+positions. It returns the per-token loss and log-sum-exp as float32 (N,) tensors. Reduction and
+the reshaping back to ``targets``' shape happen here, once, for all of them.
 """
 
 from __future__ import annotations
@@ -90,8 +88,7 @@ def linear_cross_entropy(
     found_out_of_range = _start_reading_any(out_of_range)
     flat_e = e.reshape(-1, e.shape[-1])
     token_loss, lse = IMPLEMENTATIONS[impl](
-        flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting,
-        lse_of_ignored=return_lse,
+        flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting
     )
     if found_out_of_range is None:
         # No host check possible (torch.compile, CUDA graph capture): poison the loss instead.

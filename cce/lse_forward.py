@@ -6,9 +6,6 @@ merges the result into the global LSE once, under a spin lock (one lock per toke
 the N x V logits never reach global memory and the lock is taken once per program rather than
 once per tile.
 
-The tile grid's token blocks are blocks of positions of ``token_order`` when given (tokens
-with a target first), and blocks of ignored tokens can be skipped when nobody reads their LSE.
-
 When a backward will follow it also records, for every tile of the live-tile grid
 (``config.live_grid``, finer along the vocabulary than the forward's own tiles), a bound on the
 log-probability of every entry of the forward tile that holds it, over the non-ignored rows:
@@ -29,7 +26,7 @@ import triton
 import triton.language as tl
 
 from cce.config import dot_precision, forward_vocab_splits, kernel_configs
-from cce.logit_tile import logit_tile, token_block_rows, vocab_block_entries
+from cce.logit_tile import logit_tile, vocab_block_entries
 
 
 @triton.jit
@@ -42,12 +39,11 @@ def log_add_exp(a, b):
 
 @triton.jit
 def lse_forward_kernel(
-    e_ptr, c_ptr, bias_ptr, targets_ptr, target_logit_ptr, vocab_order_ptr, token_order_ptr,
-    lse_ptr, locks_ptr, tile_bound_ptr,
+    e_ptr, c_ptr, bias_ptr, targets_ptr, target_logit_ptr, vocab_order_ptr, lse_ptr, locks_ptr,
+    tile_bound_ptr,
     num_tokens, vocab_size, dim, vocab_blocks_per_program,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
-    TOKENS_ORDERED: tl.constexpr, SKIP_IGNORED: tl.constexpr,
     RECORD_TILE_BOUND: tl.constexpr, LIVE_BLOCK_VOCAB: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -62,16 +58,11 @@ def lse_forward_kernel(
     first_vocab_block = (tl.program_id(0) // num_token_blocks) * vocab_blocks_per_program
     last_vocab_block = tl.minimum(first_vocab_block + vocab_blocks_per_program, num_vocab_blocks)
 
-    rows, row_mask = token_block_rows(token_order_ptr, token_block, num_tokens, BLOCK_TOKENS,
-                                      TOKENS_ORDERED)
-    if RECORD_TILE_BOUND or SKIP_IGNORED:
-        targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
-    if SKIP_IGNORED:
-        # Nobody reads the LSE of an ignored token: a block of them has nothing to compute.
-        if tl.max(targets) < 0:
-            last_vocab_block = first_vocab_block
+    rows = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+    row_mask = rows < num_tokens
     if RECORD_TILE_BOUND:
         # Ignored tokens get no loss gradient: leaving them out tightens the backward's bound.
+        targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
         recorded_rows = targets >= 0
         target_logit = tl.load(target_logit_ptr + rows, mask=recorded_rows, other=float("-inf"))
     running_max = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
@@ -109,33 +100,28 @@ def lse_forward_kernel(
             tl.store(tile_bound_ptr + token_block * num_live_vocab_blocks + records,
                      tile_bound + tl.zeros((RECORDS_PER_TILE,), dtype=tl.float32),
                      mask=records < num_live_vocab_blocks)
-    if last_vocab_block > first_vocab_block:  # a skipped block has nothing to merge
-        safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-        program_lse = safe_max + tl.log(running_sum)
+    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+    program_lse = safe_max + tl.log(running_sum)
 
-        lock = locks_ptr + token_block
-        while tl.atomic_cas(lock, 0, 1) == 1:
-            pass
-        # .cg: read the merged value from L2, never a stale L1 line of another program's update.
-        current = tl.load(lse_ptr + rows, mask=row_mask, cache_modifier=".cg")
-        tl.store(lse_ptr + rows, log_add_exp(current, program_lse), mask=row_mask)
-        tl.debug_barrier()  # every thread's store is issued before the lock is released
-        tl.atomic_xchg(lock, 0)
+    lock = locks_ptr + token_block
+    while tl.atomic_cas(lock, 0, 1) == 1:
+        pass
+    # .cg: read the merged value from L2, never a stale L1 line of another program's update.
+    current = tl.load(lse_ptr + rows, mask=row_mask, cache_modifier=".cg")
+    tl.store(lse_ptr + rows, log_add_exp(current, program_lse), mask=row_mask)
+    tl.debug_barrier()  # every thread's store is issued before the lock is released
+    tl.atomic_xchg(lock, 0)
 
 
 def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 softcap: Optional[float], targets: torch.Tensor,
                 vocab_order: Optional[torch.Tensor],
                 target_logit: Optional[torch.Tensor] = None,
-                token_order: Optional[torch.Tensor] = None, skip_ignored: bool = False,
                 ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
     """float32 (N,) log-sum-exp of every row and, when ``target_logit`` (float32 (N,), from
     :func:`cce.indexed_dot.indexed_dot`) is given, the float32 table of log-probability bounds
-    of the live-tile grid (tokens in ``token_order``, vocabulary in ``vocab_order``): every
-    softmax entry of a tile on a non-ignored row (``targets >= 0``) is at most exp(its bound);
-    -inf where a tile has no such row. ``skip_ignored``: leave blocks of ignored tokens out
-    (their LSE stays -inf; with ``token_order`` from
-    :func:`cce.vocab_order.tokens_with_targets_first`, those are all blocks past the targets)."""
+    of the live-tile grid (in ``vocab_order``): every softmax entry of a tile on a non-ignored
+    row (``targets >= 0``) is at most exp(its bound); -inf where a tile has no such row."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     configs = kernel_configs(e.dtype)
@@ -149,20 +135,14 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
 
     lse = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=e.device)
     locks = torch.zeros(num_token_blocks, dtype=torch.int32, device=e.device)
-    tile_bound = None
-    if record:
-        # A skipped block records nothing: its tiles keep the bound of no row.
-        shape = (num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab))
-        tile_bound = (torch.full(shape, float("-inf"), dtype=torch.float32, device=e.device)
-                      if skip_ignored else
-                      torch.empty(shape, dtype=torch.float32, device=e.device))
+    tile_bound = (torch.empty((num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab)),
+                              dtype=torch.float32, device=e.device) if record else None)
     lse_forward_kernel[(num_token_blocks * splits,)](
-        e, c, bias, targets, target_logit, vocab_order, token_order, lse, locks, tile_bound,
+        e, c, bias, targets, target_logit, vocab_order, lse, locks, tile_bound,
         num_tokens, vocab_size, dim, vocab_blocks_per_program,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        SORTED=vocab_order is not None, TOKENS_ORDERED=token_order is not None,
-        SKIP_IGNORED=skip_ignored, RECORD_TILE_BOUND=record,
+        SORTED=vocab_order is not None, RECORD_TILE_BOUND=record,
         LIVE_BLOCK_VOCAB=live_grid.block_vocab,
         BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),

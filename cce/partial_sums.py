@@ -10,8 +10,6 @@ so the GPU waited. The splits are added in order, from the first, in float32, as
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -24,42 +22,30 @@ _INTERPRETER_BLOCK = 4096  # the interpreter wants few, large programs
 
 
 @triton.jit
-def partial_sums_kernel(partial_ptr, out_ptr, out_rows_ptr, splits, elements, columns,
-                        stride_split, ROWS_LISTED: tl.constexpr, BLOCK: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+def partial_sums_kernel(partial_ptr, out_ptr, splits, elements, stride_split,
+                        BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < elements
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for split in range(splits):
         total += tl.load(partial_ptr + split * stride_split + offsets, mask=mask, other=0.0)
-    if ROWS_LISTED:
-        out_rows = tl.load(out_rows_ptr + offsets // columns, mask=mask, other=0)
-        out_offsets = out_rows.to(tl.int64) * columns + offsets % columns
-    else:
-        out_offsets = offsets
-    tl.store(out_ptr + out_offsets, round_to(total, out_ptr.dtype.element_ty, DOT_PRECISION),
+    tl.store(out_ptr + offsets, round_to(total, out_ptr.dtype.element_ty, DOT_PRECISION),
              mask=mask)
 
 
-def sum_partials(partial: torch.Tensor, out: torch.Tensor,
-                 out_rows: Optional[torch.Tensor] = None) -> None:
-    """``out = partial.sum(0)`` in ``out``'s dtype, rounded once, with no temporary; with
-    ``out_rows`` (int32, one per row of ``partial``), ``out[out_rows] = partial.sum(0)``.
+def sum_partials(partial: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = partial.sum(0)`` in ``out``'s dtype, rounded once, with no temporary.
     ``partial``: float32 (splits, rows, columns), each split contiguous; ``out``: contiguous
-    (rows, columns), or (any, columns) with ``out_rows``."""
+    (rows, columns)."""
     splits, rows, columns = partial.shape
-    expected_rows = out.shape[0] if out_rows is not None else rows
-    if out.shape != (expected_rows, columns) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous ({expected_rows}, {columns}) tensor, got "
+    if out.shape != (rows, columns) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous ({rows}, {columns}) tensor, got "
                          f"{tuple(out.shape)} with strides {out.stride()}")
-    if out_rows is not None and out_rows.shape != (rows,):
-        raise ValueError(f"out_rows must have shape ({rows},), got {tuple(out_rows.shape)}")
     if not partial[0].is_contiguous():
         raise ValueError("each split of partial must be contiguous")
     elements = rows * columns
     block = _INTERPRETER_BLOCK if interpreting() else _BLOCK
     if elements:
         partial_sums_kernel[(triton.cdiv(elements, block),)](
-            partial, out, out_rows, splits, elements, columns, partial.stride(0),
-            ROWS_LISTED=out_rows is not None, BLOCK=block,
-            DOT_PRECISION=dot_precision(out.dtype))
+            partial, out, splits, elements, partial.stride(0),
+            BLOCK=block, DOT_PRECISION=dot_precision(out.dtype))

@@ -9,13 +9,11 @@ pipeline its loads. The output is written once, in its dtype: no atomics, determ
 the output has too few blocks to fill the GPU, each list is split among SPLITS programs that
 write float32 partial sums, added up afterwards (dE only; :mod:`cce.partial_sums`).
 
-- dE (TRANSPOSED=False): output rows are the chunk's tokens, written through the token order;
-  the list walks vocabulary blocks; the second operand is rows of c, through the vocabulary
-  order.
+- dE (TRANSPOSED=False): output rows are the chunk's tokens; the list walks vocabulary blocks;
+  the second operand is rows of c, through the vocabulary order.
 - dC (TRANSPOSED=True): output rows are vocabulary positions, written through the order; the
   list walks token blocks; the first operand is the transposed tile (the k-th of an output
-  block's list is in slot ``first_slots[block] + k``), the second rows of e, through the token
-  order. The bias gradient
+  block's list is in slot ``first_slots[block] + k``), the second rows of e. The bias gradient
   (column sums of G) comes along.
 """
 
@@ -29,7 +27,7 @@ import triton.language as tl
 
 from cce.config import dot_precision, kernel_configs, split_count
 from cce.live_lists import TileLists, live_lists
-from cce.logit_tile import round_to, tile_dot, token_block_rows, vocab_block_entries
+from cce.logit_tile import round_to, tile_dot, vocab_block_entries
 from cce.partial_sums import sum_partials
 from cce.scratch import Scratch, segment_offsets
 
@@ -37,11 +35,10 @@ from cce.scratch import Scratch, segment_offsets
 @triton.jit
 def sparse_tile_matmul_kernel(
     scratch_ptr, pages_ptr, live_lists_ptr, live_counts_ptr, first_slots_ptr, operand_ptr,
-    vocab_order_ptr, token_order_ptr, out_ptr, partial_ptr, grad_bias_ptr,
+    vocab_order_ptr, out_ptr, partial_ptr, grad_bias_ptr,
     num_tokens, vocab_size, dim, chunk_vocab_blocks, page_stride,
     first_block, num_out_blocks, list_stride, stride_operand_row, stride_operand_dim,
-    TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, TOKENS_ORDERED: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLITS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     BLOCK_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -65,16 +62,16 @@ def sparse_tile_matmul_kernel(
         first_slot = tl.load(first_slots_ptr + out_block)  # its k-th listed tile: slot + k
     else:
         chunk_rows = out_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-        out_rows, row_mask = token_block_rows(token_order_ptr, first_block + out_block,
-                                              num_tokens, BLOCK_TOKENS, TOKENS_ORDERED)
+        out_rows = first_block * BLOCK_TOKENS + chunk_rows
+        row_mask = out_rows < num_tokens
 
     acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
     grad_bias = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
     for position in range(list_start, list_end):
         other_block = tl.load(live_lists_ptr + out_block * list_stride + position)
         if TRANSPOSED:
-            token_rows, token_mask = token_block_rows(token_order_ptr, other_block, num_tokens,
-                                                      BLOCK_TOKENS, TOKENS_ORDERED)
+            token_rows = other_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+            token_mask = token_rows < num_tokens
             segments = ((first_slot + position).to(tl.int64) * BLOCK_TOKENS
                         + tl.arange(0, BLOCK_TOKENS))
             offsets = segment_offsets(pages_ptr, segments, token_mask, page_stride,
@@ -116,25 +113,23 @@ def sparse_tile_matmul_kernel(
 
 
 def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Tensor,
-                              vocab_order: Optional[torch.Tensor],
-                              token_order: Optional[torch.Tensor], grad_e: torch.Tensor,
+                              vocab_order: Optional[torch.Tensor], grad_e: torch.Tensor,
                               token_blocks: range, room: Optional[torch.Tensor] = None) -> None:
     """``grad_e[rows of token_blocks] = G @ c`` for a chunk of whole rows of the tile grid
     (pass 1: stored whole rows of the grid, ``flags`` say which tiles hold something).
     ``room``: free float32 memory for the partial sums of a split product."""
     lists, counts = live_lists(flags[token_blocks.start:token_blocks.stop])
-    _launch(scratch, lists, counts, None, c, vocab_order, token_order, grad_e, None,
-            token_blocks.start, flags.shape[1], transposed=False, room=room)
+    _launch(scratch, lists, counts, None, c, vocab_order, grad_e, None, token_blocks.start,
+            flags.shape[1], transposed=False, room=room)
 
 
 def gradient_times_classifier(scratch: Scratch, tile_lists: TileLists, e: torch.Tensor,
-                              vocab_order: Optional[torch.Tensor],
-                              token_order: Optional[torch.Tensor], grad_c: torch.Tensor,
+                              vocab_order: Optional[torch.Tensor], grad_c: torch.Tensor,
                               grad_bias: Optional[torch.Tensor], vocab_blocks: range) -> None:
     """``grad_c[rows of vocab_blocks] = G^T @ e`` (and the bias gradient) for a chunk of whole
     columns of the tile grid (pass 2: the tiles of ``tile_lists``, each in its slot)."""
     _launch(scratch, tile_lists.lists, tile_lists.counts, tile_lists.first_slots, e,
-            vocab_order, token_order, grad_c, grad_bias, vocab_blocks.start, len(vocab_blocks),
+            vocab_order, grad_c, grad_bias, vocab_blocks.start, len(vocab_blocks),
             transposed=True)
 
 
@@ -166,8 +161,7 @@ def embeddings_product_programs(token_blocks: int, dim: int, dtype: torch.dtype,
 
 def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             first_slots: Optional[torch.Tensor], operand: torch.Tensor,
-            vocab_order: Optional[torch.Tensor], token_order: Optional[torch.Tensor],
-            out: torch.Tensor,
+            vocab_order: Optional[torch.Tensor], out: torch.Tensor,
             grad_bias: Optional[torch.Tensor], first_block: int, chunk_vocab_blocks: int,
             transposed: bool, room: Optional[torch.Tensor] = None) -> None:
     configs = kernel_configs(operand.dtype)
@@ -188,13 +182,12 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
     num_tokens = out.shape[0] if not transposed else operand.shape[0]
     vocab_size = out.shape[0] if transposed else operand.shape[0]
     sparse_tile_matmul_kernel[(programs * splits,)](
-        scratch.buffer, scratch.pages, lists, counts, first_slots, operand, vocab_order,
-        token_order, out, partial,
+        scratch.buffer, scratch.pages, lists, counts, first_slots, operand, vocab_order, out,
+        partial,
         grad_bias, num_tokens, vocab_size, dim, chunk_vocab_blocks,
         scratch.page_stride, first_block, num_out_blocks,
         lists.stride(0), operand.stride(0), operand.stride(1),
-        TRANSPOSED=transposed, SORTED=vocab_order is not None,
-        TOKENS_ORDERED=token_order is not None, HAS_BIAS=grad_bias is not None,
+        TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
         SPLITS=splits, SCRATCH_IN_ORDER=scratch.in_order,
         SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
@@ -204,8 +197,4 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
     if partial is not None:
         first_row = first_block * grid.block_tokens
         valid_rows = min(rows, num_tokens - first_row)
-        if token_order is None:
-            sum_partials(partial[:, :valid_rows], out[first_row:first_row + valid_rows])
-        else:
-            sum_partials(partial[:, :valid_rows], out,
-                         token_order[first_row:first_row + valid_rows])
+        sum_partials(partial[:, :valid_rows], out[first_row:first_row + valid_rows])

@@ -1,4 +1,4 @@
-"""Vocabulary sorting, token order and the table of tiles the backward cannot skip without looking.
+"""Vocabulary sorting and the table of tiles the backward cannot skip without looking.
 
 The paper orders the vocabulary by average logit, accumulated in the forward with an atomic
 add. The average of ``e_i . c_v + b_v`` over tokens is exactly ``mean(e) . c_v + b_v``: one
@@ -27,14 +27,6 @@ def vocab_order(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     return torch.argsort(average_logit.float(), descending=True).to(torch.int32)
 
 
-def tokens_with_targets_first(targets: torch.Tensor) -> torch.Tensor:
-    """int32 (N,) token indices, those with a target first, then the ignored ones, each group in
-    its own order: the tile grid's token order. Its token blocks then hold only tokens with a
-    loss gradient, up to the last, and blocks of ignored tokens, which the backward skips and
-    the forward may skip, instead of a prompt-masked batch's tokens mixed in every block."""
-    return torch.argsort((targets < 0).to(torch.uint8), stable=True).to(torch.int32)
-
-
 def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor]) -> torch.Tensor:
     """int32 (N,) position of each token's target in the vocabulary order (the target itself
     without sorting), -1 for ignored tokens."""
@@ -50,7 +42,7 @@ def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor])
 
 def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
                target_positions: torch.Tensor, block_tokens: int, block_vocab: int,
-               filter_eps: float, token_order: Optional[torch.Tensor] = None) -> torch.Tensor:
+               filter_eps: float) -> torch.Tensor:
     """int32 (token blocks, vocabulary blocks) table, 0 where no softmax entry can reach
     ``filter_eps``: the forward's log-probability bound of the tile is below log(filter_eps).
 
@@ -60,12 +52,7 @@ def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Te
     covered: its whole token block stays live. Tiles that hold a token's target are always live
     (their gradient has the -1 of the target). A NaN bound or LSE keeps the tile live, so NaN
     inputs still reach the gradients. ``target_positions``: from :func:`target_positions`.
-    ``token_order``: the table's token order (None: the tokens' own), see
-    :func:`tokens_with_targets_first`; the other arguments are per token, in its own order.
     """
-    if token_order is not None:
-        lse, prob_scale, target_positions = (
-            values[token_order] for values in (lse, prob_scale, target_positions))
     num_token_blocks = tile_bound.shape[0]
     padding = num_token_blocks * block_tokens - lse.shape[0]
 

@@ -440,13 +440,12 @@ def cce_table_fraction(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) 
     eps = default_filter_eps(e.dtype)
     targets = torch.where(targets >= 0, targets, -1)  # cce's canonical targets
     with torch.no_grad():
-        order, token_order, _, lse, tile_bound = forward_kernels(
-            e, c, None, targets, None, records_bounds=True, vocab_sorting=True,
-            lse_of_ignored=False)
+        order, _, lse, tile_bound = forward_kernels(e, c, None, targets, None,
+                                                    records_bounds=True, vocab_sorting=True)
         grid = kernel_configs(e.dtype).live_grid
         table = live_tiles(tile_bound, lse, (targets >= 0).float(),
                            target_positions(targets, order), grid.block_tokens,
-                           grid.block_vocab, eps, token_order)
+                           grid.block_vocab, eps)
     return float(table.ne(0).float().mean())
 
 

@@ -86,10 +86,9 @@ def test_split_embeddings_product_matches_reference(dtype: torch.dtype, device: 
     sums = []
     original = cce.sparse_tile_matmul.sum_partials
 
-    def spy(partial: torch.Tensor, out: torch.Tensor,
-            out_rows: Optional[torch.Tensor] = None) -> None:
+    def spy(partial: torch.Tensor, out: torch.Tensor) -> None:
         sums.append(partial.shape[0])
-        original(partial, out, out_rows)
+        original(partial, out)
 
     monkeypatch.setattr(cce.sparse_tile_matmul, "sum_partials", spy)
     vocab, dim = _shape(dtype)
@@ -191,19 +190,6 @@ def test_sum_partials_adds_the_splits_in_order_and_rounds_once(dtype: torch.dtyp
     assert not out[:5].any() and not out[42:].any()
 
 
-def test_sum_partials_writes_listed_rows(device: str, gen: torch.Generator) -> None:
-    """With ``out_rows`` (a chunk of tokens in the tile grid's token order), row i of the sum
-    goes to row out_rows[i] of out, and no other row is written."""
-    partial = torch.randn(2, 37, 72, generator=gen).to(device)
-    out = torch.zeros(50, 72, dtype=torch.bfloat16, device=device)
-    out_rows = torch.randperm(50, generator=gen)[:37].to(device, torch.int32)
-    sum_partials(partial, out, out_rows)
-    written = torch.zeros(50, dtype=torch.bool, device=device)
-    written[out_rows.long()] = True
-    assert torch.equal(out[out_rows.long()], (partial[0] + partial[1]).to(torch.bfloat16))
-    assert not out[~written].any()
-
-
 def test_sum_partials_rejects_an_output_it_cannot_write_in_place(device: str) -> None:
     partial = torch.zeros(2, 8, 4, device=device)
     with pytest.raises(ValueError, match=r"out must be a contiguous \(8, 4\) tensor"):
@@ -222,8 +208,7 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
     e, c, targets = peaked_inputs(gen, device, N, vocab, dim)
     e = e.bfloat16().requires_grad_()
     c = c.bfloat16().requires_grad_()
-    loss, _ = LinearCrossEntropyFunction.apply(e, c, None, targets, None, 2.0**-12, True,
-                                              True, True)
+    loss, _ = LinearCrossEntropyFunction.apply(e, c, None, targets, None, 2.0**-12, True, True)
     forward = loss.grad_fn
     grad_loss = torch.rand(N, generator=gen).to(device)
 
@@ -233,7 +218,7 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
                                   filter_eps=2.0**-12,
                                   needs_input_grad=(with_grad_e, True, False))
         gradients = LinearCrossEntropyFunction.backward(context, grad_loss, None)
-        return gradients[1], sum(int(args[-2].counts.sum()) for args in listed)  # tile_lists
+        return gradients[1], sum(int(args[11].counts.sum()) for args in listed)
 
     beside, stored_beside = grad_c(with_grad_e=True)
     alone, listed_alone = grad_c(with_grad_e=False)

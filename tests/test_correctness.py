@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 import cce
-from cce.config import kernel_configs
 from tests.helpers import (D, DTYPE_IDS, DTYPES, N, V, Inputs, assert_matches, check,
                            make_grad_output, make_inputs, run, run_reference, tolerances)
 from tests.reference import Result, reference, relative_error
@@ -185,28 +184,6 @@ def test_return_lse_false_returns_only_the_loss(impl: str, device: str,
                                     impl=impl)
     assert isinstance(loss, torch.Tensor) and isinstance(pair, tuple) and len(pair) == 2
     assert relative_error(loss, pair[0].double()) <= 1e-6
-
-
-@dtypes
-@pytest.mark.parametrize("impl", OPTION_IMPLS)
-def test_prompt_masked_batch_without_lse(impl: str, dtype: torch.dtype, device: str,
-                                         gen: torch.Generator) -> None:
-    """return_lse=False on a batch whose prompts (the first half of each sequence) are ignored:
-    cce's tile grid then takes the tokens with a target first and its forward leaves the blocks
-    of ignored tokens out; the loss and the gradients still match the reference."""
-    block = kernel_configs(dtype).live_grid.block_tokens
-    inputs = make_inputs(gen, device, dtype, shape=(4, block + 3), ignored_fraction=0.0)
-    inputs.targets[:, :(block + 3) // 2] = -100
-    grad_output = make_grad_output(gen, inputs, "mean")
-    e = inputs.e.detach().requires_grad_()
-    c = inputs.c.detach().requires_grad_()
-    loss = cce.linear_cross_entropy(e, c, inputs.targets, impl=impl)
-    grad_e, grad_c = torch.autograd.grad(loss, [e, c], grad_output)
-    ref = run_reference(inputs, grad_output, reduction="mean")
-    forward_tol, grad_tol = tolerances(impl, dtype)
-    assert relative_error(loss, ref.loss) <= forward_tol
-    assert relative_error(grad_e, ref.grad_e) <= grad_tol
-    assert relative_error(grad_c, ref.grad_c) <= grad_tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -16,8 +16,7 @@ import torch
 from cce.config import kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
-from cce.vocab_order import (live_tiles, target_positions, tokens_with_targets_first,
-                             vocab_order)
+from cce.vocab_order import live_tiles, target_positions, vocab_order
 from tests.helpers import peaked_inputs
 
 N, V, D = 45, 1500, 40  # not multiples of any block size
@@ -56,36 +55,19 @@ def _per_forward_tile_max(values: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 
 
 def _forward_with_bounds(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                         order: "torch.Tensor | None" = None,
-                         token_order: "torch.Tensor | None" = None, skip_ignored: bool = False):
+                         order: "torch.Tensor | None" = None):
     """(lse, tile_bound) as the loss's forward computes them (target logits first)."""
-    return lse_forward(e, c, None, None, targets, order, indexed_dot(e, c, targets, None, None),
-                       token_order, skip_ignored)
+    return lse_forward(e, c, None, None, targets, order, indexed_dot(e, c, targets, None, None))
 
 
-def test_token_order_puts_tokens_with_a_target_first(device: str) -> None:
-    targets = torch.tensor([3, -1, 0, -1, -1, 7, 2, -1], device=device)
-    token_order = tokens_with_targets_first(targets)
-    assert token_order.dtype == torch.int32
-    assert token_order.tolist() == [0, 2, 5, 6, 1, 3, 4, 7]
-
-
-@pytest.mark.parametrize("ordered", [False, True], ids=["own-order", "targets-first"])
-def test_forward_records_sound_log_probability_bounds(ordered: bool, gen: torch.Generator,
+def test_forward_records_sound_log_probability_bounds(gen: torch.Generator,
                                                       device: str) -> None:
     """tile_bound[i, j] bounds the log-probability of every entry of the forward tile holding
     tile (i, j) of the live grid on a non-ignored row (vocabulary sorted), is never above 0,
-    and is at least as tight as the target logits alone make it. With a token order, the grid
-    is laid out over its positions: token block i holds the tokens at positions of block i."""
+    and is at least as tight as the target logits alone make it."""
     e, c, targets = peaked_inputs(gen, device, N, V, D)
-    if ordered:
-        targets[1::3] = -1  # ignored tokens in every block, until they are ordered last
     order = vocab_order(e, c, None, targets)
-    token_order = tokens_with_targets_first(targets) if ordered else None
-    lse, tile_bound = _forward_with_bounds(e, c, targets, order, token_order)
-    if ordered:  # everything per token below, by position
-        positions = token_order.long()
-        e, targets, lse = e[positions], targets[positions], lse[positions]
+    lse, tile_bound = _forward_with_bounds(e, c, targets, order)
     logits = e.double() @ c.double()[order.long()].T
     exact_lse = torch.logsumexp(logits, dim=1)
     torch.testing.assert_close(lse.double(), exact_lse, rtol=1e-6, atol=1e-6)
@@ -99,30 +81,6 @@ def test_forward_records_sound_log_probability_bounds(ordered: bool, gen: torch.
     assert bool((bound >= _per_forward_tile_max(log_probs, e.dtype) - 1e-5).all())
     assert bool((bound <= 1e-5).all())
     assert bool((bound <= _per_forward_tile_max(above_target, e.dtype) + 1e-5).all())
-
-
-def test_forward_can_skip_blocks_of_ignored_tokens(gen: torch.Generator, device: str) -> None:
-    """With the tokens with a target first, ``skip_ignored`` leaves the blocks past them out:
-    their tokens' LSE stays -inf and their tiles hold no bound; the other tokens' LSE is the
-    same as without skipping."""
-    grid = kernel_configs(torch.float32).live_grid
-    num_tokens = 3 * grid.block_tokens + 5
-    e, c, targets = peaked_inputs(gen, device, num_tokens, V, D)
-    targets[num_tokens // 3:] = -1
-    token_order = tokens_with_targets_first(targets)
-    lse, _ = _forward_with_bounds(e, c, targets, None, token_order)
-    skipping_lse, tile_bound = _forward_with_bounds(e, c, targets, None, token_order,
-                                                    skip_ignored=True)
-
-    first_skipped = -(-int((targets >= 0).sum()) // grid.block_tokens)
-    assert first_skipped < tile_bound.shape[0], "the test needs a block of ignored tokens"
-    skipped = token_order[first_skipped * grid.block_tokens:].long()
-    assert bool((skipping_lse[skipped] == -math.inf).all())
-    assert bool((tile_bound[first_skipped:] == -math.inf).all())
-    computed = torch.ones_like(targets, dtype=torch.bool)
-    computed[skipped] = False
-    torch.testing.assert_close(skipping_lse[computed], lse[computed], rtol=1e-6, atol=1e-6)
-    assert bool(torch.isfinite(lse[skipped]).all())
 
 
 def test_tile_bounds_ignore_each_rows_logit_offset(gen: torch.Generator, device: str) -> None:
