@@ -85,15 +85,16 @@ def linear_cross_entropy(
 
     canonical_targets, out_of_range = _canonical_targets(targets, ignore_index, shift,
                                                          c.shape[0])
-    found_out_of_range = _start_reading_any(out_of_range)
+    any_out_of_range = out_of_range.any()
+    read_any_out_of_range = _start_host_read(any_out_of_range)
     flat_e = e.reshape(-1, e.shape[-1])
     token_loss, lse = IMPLEMENTATIONS[impl](
         flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting
     )
-    if found_out_of_range is None:
+    if read_any_out_of_range is None:
         # No host check possible (torch.compile, CUDA graph capture): poison the loss instead.
-        token_loss = torch.where(out_of_range.any(), float("nan"), token_loss)
-    elif found_out_of_range():
+        token_loss = torch.where(any_out_of_range, float("nan"), token_loss)
+    elif read_any_out_of_range():
         raise ValueError(f"targets must be in [0, {c.shape[0]}) or equal ignore_index="
                          f"{ignore_index}; found {targets[out_of_range][0].item()}")
 
@@ -153,26 +154,25 @@ def _canonical_targets(targets: torch.Tensor, ignore_index: int, shift: int,
     return canonical, out_of_range
 
 
-def _start_reading_any(mask: torch.Tensor) -> Optional[Callable[[], bool]]:
-    """A function that tells whether ``mask`` has a True, or None where the host cannot read
-    it (torch.compile, CUDA graph capture). On a GPU the flag is copied to pinned memory and
-    read only once the loss's kernels are queued behind it: the host waits for the work queued
-    before the check, as a sync would, but the GPU has the loss to run meanwhile."""
+def _start_host_read(flag: torch.Tensor) -> Optional[Callable[[], bool]]:
+    """A function that reads the boolean scalar ``flag`` on the host, or None where the host
+    cannot read it (torch.compile, CUDA graph capture). On a GPU the flag is copied to pinned
+    memory and read only once the loss's kernels are queued behind it: the host waits for the
+    work queued before the flag, as a sync would, but the GPU has the loss to run meanwhile."""
     if torch.compiler.is_compiling():
         return None
-    found = mask.any()
-    if found.device.type != "cuda":
-        return lambda: bool(found)
+    if flag.device.type != "cuda":
+        return lambda: bool(flag)
     if torch.cuda.is_current_stream_capturing():
         return None
-    host_found = torch.empty((), dtype=torch.bool, pin_memory=True)
-    host_found.copy_(found, non_blocking=True)
+    host_flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    host_flag.copy_(flag, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
 
     def read() -> bool:
         copied.synchronize()
-        return bool(host_found)
+        return bool(host_flag)
 
     return read
 

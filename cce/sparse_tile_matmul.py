@@ -183,8 +183,7 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
     vocab_size = out.shape[0] if transposed else operand.shape[0]
     sparse_tile_matmul_kernel[(programs * splits,)](
         scratch.buffer, scratch.pages, lists, counts, first_slots, operand, vocab_order, out,
-        partial,
-        grad_bias, num_tokens, vocab_size, dim, chunk_vocab_blocks,
+        partial, grad_bias, num_tokens, vocab_size, dim, chunk_vocab_blocks,
         scratch.page_stride, first_block, num_out_blocks,
         lists.stride(0), operand.stride(0), operand.stride(1),
         TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
