@@ -102,8 +102,10 @@ def linear_cross_entropy_backward(
             tile_lists = TileLists.of(
                 listed[:, vocab_blocks.start:vocab_blocks.stop].T,
                 int(tiles_per_block[vocab_blocks.start:vocab_blocks.stop].max()))
+            # Pass 1's tiles survived the filter already: the same recompute needs no test.
             listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale,
-                                  target_scale, vocab_order, filter_eps, scratch, tile_lists,
+                                  target_scale, vocab_order,
+                                  None if needs_grad_e else filter_eps, scratch, tile_lists,
                                   vocab_blocks)
             gradient_times_classifier(scratch, tile_lists, e, vocab_order, grad_c, grad_bias,
                                       vocab_blocks)

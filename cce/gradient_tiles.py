@@ -73,12 +73,11 @@ def gradient_tiles_kernel(
         # competes with the tile for registers.
         offsets = segment_offsets(pages_ptr, segments, row_mask, page_stride, SEGMENTS_PER_PAGE,
                                   BLOCK_VOCAB, SCRATCH_IN_ORDER)
-        positions = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
         vocab, vocab_mask = vocab_block_entries(
             vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
         grad, keep = logit_gradient_tile(
             e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr,
-            target_scale_ptr, rows, row_mask, positions, vocab, vocab_mask, dim,
+            target_scale_ptr, rows, row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
             stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
             HAS_BIAS, HAS_SOFTCAP, FILTER, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
         )

@@ -9,6 +9,8 @@ order without reordering ``c`` in memory.
 import triton
 import triton.language as tl
 
+LOG2_E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2_E)
+
 
 @triton.jit
 def tanh(x):
@@ -82,40 +84,52 @@ def logit_tile(
 @triton.jit
 def logit_gradient_tile(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
-    rows, row_mask, positions, vocab, vocab_mask, dim,
+    rows, row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Recompute one tile and return (gradient of the pre-softcap logits in float32, keep).
-    ``positions``: the tile's vocabulary positions (``vocab`` = the entries at them).
+    ``vocab_block``: the tile's block of vocabulary positions (``vocab`` = the entries at them).
 
     The gradient is ``prob_scale[i] * softmax_ij - target_scale[i] * [j == x_i]``, times the
     softcap derivative. ``keep`` is False when gradient filtering proves the tile negligible:
     every entry of ``softmax - onehot`` (on rows with a gradient) is below ``filter_eps``.
     """
+    # The rows' values are loaded before the tile's products, which hide their latency.
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    prob_scale = tl.load(prob_scale_ptr + rows, mask=row_mask, other=0.0)
+    target_scale = tl.load(target_scale_ptr + rows, mask=row_mask, other=0.0)
+    target_positions = tl.load(target_positions_ptr + rows, mask=row_mask, other=-1)
     logits = logit_tile(
         e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
         stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
         HAS_BIAS, HAS_SOFTCAP, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
     )
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    prob_scale = tl.load(prob_scale_ptr + rows, mask=row_mask, other=0.0)
-    target_scale = tl.load(target_scale_ptr + rows, mask=row_mask, other=0.0)
-    target_positions = tl.load(target_positions_ptr + rows, mask=row_mask, other=-1)
 
-    live = (prob_scale != 0.0)[:, None] & vocab_mask[None, :]
-    probs = tl.where(live, tl.exp(logits - lse[:, None]), 0.0)
+    # Every operation per entry counts here (the tile's products are short at small D): rows
+    # without a softmax gradient get an infinite LSE instead of a select per entry, so that
+    # their probabilities are 0 (NaN where their logits are, as in PyTorch); only the last
+    # block of the vocabulary has padding columns to zero.
+    scaled_lse = tl.where(prob_scale != 0.0, lse, float("inf")) * LOG2_E
+    # exp(z - lse) as exp2(z * log2(e) - lse * log2(e)): one fused multiply-add per entry.
+    probs = tl.exp2(logits * LOG2_E - scaled_lse[:, None])
+    if (vocab_block + 1) * BLOCK_VOCAB > vocab_size:
+        probs = tl.where(vocab_mask[None, :], probs, 0.0)
     # Targets are found by position, not by vocabulary index: positions are a range, which
     # the compiler rebuilds from the thread index instead of holding it in registers.
-    is_target = positions[None, :] == target_positions[:, None]
+    first_position = vocab_block * BLOCK_VOCAB
+    is_target = (first_position + tl.arange(0, BLOCK_VOCAB))[None, :] == target_positions[:, None]
     keep = True
     if FILTER:
-        # Entries of S - onehot; the NaN test keeps NaN inputs propagating as in PyTorch.
-        magnitude = tl.abs(probs - is_target.to(tl.float32))
-        significant = (magnitude >= filter_eps) | (magnitude != magnitude)
-        keep = tl.max(significant.to(tl.int32)) > 0
+        # Some entry of S - onehot is at least filter_eps: a softmax entry, or a target (kept
+        # even within filter_eps of 1: one test per row instead of one per entry), or any entry
+        # of a row whose LSE is not finite (NaN and inf inputs propagate as in PyTorch).
+        row_keeps = (((target_positions >= first_position)
+                      & (target_positions < first_position + BLOCK_VOCAB))
+                     | (lse - lse != 0.0))
+        keep = (tl.max(probs) >= filter_eps) | (tl.max(row_keeps.to(tl.int32)) > 0)
     grad = probs * prob_scale[:, None] - tl.where(is_target, target_scale[:, None], 0.0)
     if HAS_SOFTCAP:
         capped = logits / softcap

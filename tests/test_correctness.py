@@ -48,8 +48,9 @@ def test_matches_reference(impl: str, dtype: torch.dtype, reduction: str, device
     "n, vocab, dim, dtype",
     [(1, 7, 5, torch.float32),         # far smaller than one block
      (33, 129, 33, torch.bfloat16),    # one past a block in every dimension
-     (64, 256, 64, torch.float16)],    # exact multiples of the blocks
-    ids=["tiny", "block+1", "block-multiple"],
+     (64, 256, 64, torch.float16),     # exact multiples of the blocks
+     (37, 300, 272, torch.bfloat16)],  # D = 256 + 16: the products' last columns mostly pad
+    ids=["tiny", "block+1", "block-multiple", "output-columns+16"],
 )
 @pytest.mark.parametrize("impl", OPTION_IMPLS)
 def test_block_edge_shapes(impl: str, n: int, vocab: int, dim: int, dtype: torch.dtype,
