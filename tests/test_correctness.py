@@ -338,6 +338,29 @@ def test_non_finite_rows_propagate_like_pytorch(impl: str, dtype: torch.dtype,
     assert relative_error(result.grad_e[~bad], ref.grad_e) <= grad_tol
 
 
+@pytest.mark.parametrize("impl", OPTION_IMPLS)
+def test_non_finite_ignored_row_propagates_like_pytorch(impl: str, device: str,
+                                                        gen: torch.Generator) -> None:
+    """An ignored token with a NaN hidden state adds nothing to the loss and leaves the other
+    rows' dE alone, but its NaN logits reach its own dE row (and dC), as in PyTorch."""
+    inputs = make_inputs(gen, device, torch.float32, ignored_fraction=0.0)
+    bad_row = 5
+    inputs.targets[bad_row] = -100
+    inputs.e[bad_row, 3] = math.nan
+    good = torch.ones(N, dtype=torch.bool, device=device)
+    good[bad_row] = False
+    outcomes = {}
+    for name in ("torch", impl):  # what PyTorch does, then impl
+        e = inputs.e.detach().requires_grad_()
+        c = inputs.c.detach().requires_grad_()
+        loss = cce.linear_cross_entropy(e, c, inputs.targets, reduction="sum", impl=name)
+        grad_e, grad_c = torch.autograd.grad(loss, (e, c))
+        assert torch.isfinite(loss)
+        assert torch.isnan(grad_e[bad_row]).any() and torch.isnan(grad_c).any()
+        outcomes[name] = grad_e[good]
+    assert relative_error(outcomes[impl], outcomes["torch"]) <= 1e-5
+
+
 # --- torch.compile (slow to compile on CPU: two cases only) ---------------------------------
 
 
