@@ -53,6 +53,13 @@ def vocab_block_entries(vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB: t
 
 
 @triton.jit
+def holds_padding(vocab_block, vocab_size, BLOCK_VOCAB: tl.constexpr):
+    """Whether a block of vocabulary positions runs past the vocabulary (only the last can):
+    the other blocks skip masking their padding entry by entry."""
+    return (vocab_block + 1) * BLOCK_VOCAB > vocab_size
+
+
+@triton.jit
 def logit_tile(
     e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
@@ -110,12 +117,11 @@ def logit_gradient_tile(
 
     # Every operation per entry counts here (the tile's products are short at small D): rows
     # without a softmax gradient get an infinite LSE instead of a select per entry, so that
-    # their probabilities are 0 (NaN where their logits are, as in PyTorch); only the last
-    # block of the vocabulary has padding columns to zero.
+    # their probabilities are 0 (NaN where their logits are, as in PyTorch).
     scaled_lse = tl.where(prob_scale != 0.0, lse, float("inf")) * LOG2_E
     # exp(z - lse) as exp2(z * log2(e) - lse * log2(e)): one fused multiply-add per entry.
     probs = tl.exp2(logits * LOG2_E - scaled_lse[:, None])
-    if (vocab_block + 1) * BLOCK_VOCAB > vocab_size:
+    if holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
         probs = tl.where(vocab_mask[None, :], probs, 0.0)
     # Targets are found by position, not by vocabulary index: positions are a range, which
     # the compiler rebuilds from the thread index instead of holding it in registers.

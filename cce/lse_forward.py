@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from cce.config import dot_precision, forward_vocab_splits, kernel_configs
-from cce.logit_tile import LOG2_E, logit_tile, vocab_block_entries
+from cce.logit_tile import LOG2_E, holds_padding, logit_tile, vocab_block_entries
 
 
 @triton.jit
@@ -75,9 +75,8 @@ def lse_forward_kernel(
             stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
             HAS_BIAS, HAS_SOFTCAP, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
         )
-        # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)); only
-        # the vocabulary's last block has any, and the others skip a select per entry.
-        if (vocab_block + 1) * BLOCK_VOCAB > vocab_size:
+        # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)).
+        if holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
             logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
         tile_row_max = tl.max(logits, axis=1)
         new_max = tl.maximum(running_max, tile_row_max)
