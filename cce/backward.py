@@ -11,7 +11,9 @@ block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
    are still free (those of later vocabulary positions). A chunk is as wide as its tiles fit
    there: wide where sorting left few live tiles (the tail of the vocabulary), narrower as dC
    fills up; once not even one block's tiles fit, the rest of the vocabulary goes through a small
-   spare buffer. Sizing the chunks takes one host sync (the tiles per vocabulary block).
+   spare buffer. Sizing the chunks takes one host sync (the tiles per vocabulary block); the
+   lists of every chunk's tiles are built before it, in one launch, so that after it the host
+   queues only two kernels per chunk while the GPU waits.
 
 Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; every gradient
 is accumulated in float32 on-chip and written once, without atomics, so the result is
@@ -80,8 +82,9 @@ def linear_cross_entropy_backward(
         listed = flags if needs_grad_e else live_tiles
         if listed is None:
             listed = torch.ones_like(flags)
+        tile_lists = TileLists.of(listed.T)
         # One host sync: how many tiles each vocabulary block stores sets the chunks' widths.
-        tiles_per_block = (listed != 0).sum(dim=0).cpu().numpy()
+        tiles_per_block = tile_lists.counts.cpu().numpy()
         tile_bytes = grid.block_tokens * grid.block_vocab * c.element_size()
         spare_tiles = max(spare_scratch_bytes() // tile_bytes, int(tiles_per_block.max()))
         # Vocabulary positions -> rows of dC: the free rows are those of later positions.
@@ -99,15 +102,14 @@ def linear_cross_entropy_backward(
             else:
                 free_rows = position_rows[vocab_blocks.stop * grid.block_vocab:]
                 scratch = Scratch.in_rows(grad_c, free_rows, grid.block_vocab)
-            tile_lists = TileLists.of(
-                listed[:, vocab_blocks.start:vocab_blocks.stop].T,
-                int(tiles_per_block[vocab_blocks.start:vocab_blocks.stop].max()))
+            chunk_lists = tile_lists.rows(vocab_blocks)
+            longest_list = int(tiles_per_block[vocab_blocks.start:vocab_blocks.stop].max())
             # Pass 1's tiles survived the filter already: the same recompute needs no test.
             listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale,
                                   target_scale, vocab_order,
-                                  None if needs_grad_e else filter_eps, scratch, tile_lists,
-                                  vocab_blocks)
-            gradient_times_classifier(scratch, tile_lists, e, vocab_order, grad_c, grad_bias,
+                                  None if needs_grad_e else filter_eps, scratch, chunk_lists,
+                                  longest_list, vocab_blocks)
+            gradient_times_classifier(scratch, chunk_lists, e, vocab_order, grad_c, grad_bias,
                                       vocab_blocks)
     return grad_e, grad_c, grad_bias
 

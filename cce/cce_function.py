@@ -10,7 +10,8 @@ from cce.backward import linear_cross_entropy_backward
 from cce.config import interpreting, kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
-from cce.vocab_order import live_tiles, target_positions, vocab_order
+from cce.live_tiles import live_tiles
+from cce.vocab_order import target_positions, vocab_order
 
 
 class ForwardResults(NamedTuple):

@@ -11,6 +11,7 @@ more registers per element, so their tiles are smaller.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -80,7 +81,10 @@ _FORWARD_PROGRAMS_PER_SM = 8
 _MIN_BLOCKS_PER_RECORDING_PROGRAM = 8
 
 
+@functools.cache
 def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter. Triton reads the variable once, when
+    it is imported; so does this (it is asked several hundred times per loss call)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -44,13 +44,15 @@ def gradient_tiles_kernel(
     # Token blocks vary fastest: the programs in flight share their tiles of c.
     if LISTED:
         # The k-th listed token block of a vocabulary block of the chunk goes to slot
-        # first_slots[block] + k; programs past the end of a block's list have nothing to do.
+        # first_slots[block] - first_slots[0] + k (the chunk's lists are a slice of all blocks');
+        # programs past the end of a block's list have nothing to do.
         entry = tl.program_id(0) % longest_list
         chunk_vocab_block = tl.program_id(0) // longest_list
         live = entry < tl.load(tile_counts_ptr + chunk_vocab_block)
         token_block = tl.load(tile_lists_ptr + chunk_vocab_block * list_stride + entry,
                               mask=live, other=0)
-        slot = tl.load(first_slots_ptr + chunk_vocab_block) + entry
+        slot = (tl.load(first_slots_ptr + chunk_vocab_block) - tl.load(first_slots_ptr)
+                + entry)
         segments = slot.to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     else:
         chunk_token_block = tl.program_id(0) % chunk_token_blocks
@@ -115,17 +117,19 @@ def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: to
                           lse: torch.Tensor, prob_scale: torch.Tensor,
                           target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
                           filter_eps: Optional[float], scratch: Scratch, tile_lists: TileLists,
-                          vocab_blocks: range) -> None:
+                          longest_list: int, vocab_blocks: range) -> None:
     """Pass 2: store the listed tiles of ``vocab_blocks`` (``tile_lists``: per vocabulary block,
-    the token blocks to store), each in its slot; tiles the filter drops are stored as zeros."""
+    the token blocks to store; ``longest_list``: at least the longest of those lists), each in
+    its slot; tiles the filter drops are stored as zeros."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             None, filter_eps, None, scratch, range(0), vocab_blocks,
-            programs=len(vocab_blocks) * tile_lists.longest, tile_lists=tile_lists)
+            programs=len(vocab_blocks) * longest_list, tile_lists=tile_lists,
+            longest_list=longest_list)
 
 
 def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks, programs,
-            tile_lists: Optional[TileLists] = None) -> None:
+            tile_lists: Optional[TileLists] = None, longest_list: int = 1) -> None:
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
     grid, config = configs.live_grid, configs.gradient_tiles
@@ -139,7 +143,7 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
         tile_lists.first_slots if listed else None,
         num_tokens, c.shape[0], dim, triton.cdiv(c.shape[0], grid.block_vocab),
         token_blocks.start, vocab_blocks.start, len(token_blocks), len(vocab_blocks),
-        tile_lists.longest if listed else 1, tile_lists.lists.stride(0) if listed else 0,
+        longest_list, tile_lists.lists.stride(0) if listed else 0,
         scratch.page_stride,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0, filter_eps or 0.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,

@@ -56,18 +56,24 @@ def live_lists(flags: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
 
 @dataclass(frozen=True)
 class TileLists:
-    """Pass 2's tiles of one chunk: per vocabulary block (row), the token blocks of its tiles
-    (``lists``, ``counts`` of them, see :func:`live_lists`), where its tiles' slots start in the
-    chunk's scratch (``first_slots``, int32) and the longest list's length (host int)."""
+    """Pass 2's tiles, per vocabulary block (row): the token blocks of its tiles (``lists``,
+    ``counts`` of them, see :func:`live_lists`) and the place of its first tile among the tiles of
+    all blocks (``first_slots``, int32). A chunk of rows stores the k-th tile of its row r in
+    slot ``first_slots[r] - first_slots[0] + k`` of its scratch (:meth:`rows`: ``first_slots[0]``
+    is the chunk's first tile)."""
 
     lists: torch.Tensor
     counts: torch.Tensor
     first_slots: torch.Tensor
-    longest: int
 
     @staticmethod
-    def of(flags: torch.Tensor, longest: int) -> "TileLists":
-        """The lists of ``flags`` (rows = vocabulary blocks); ``longest``: known to the host."""
+    def of(flags: torch.Tensor) -> "TileLists":
+        """The lists of ``flags`` (rows = vocabulary blocks), built once for every chunk."""
         lists, counts = live_lists(flags)
         first_slots = torch.cumsum(counts, dim=0, dtype=torch.int32) - counts
-        return TileLists(lists, counts, first_slots, longest)
+        return TileLists(lists, counts, first_slots)
+
+    def rows(self, rows: range) -> "TileLists":
+        """The lists of a chunk of rows (views)."""
+        return TileLists(self.lists[rows.start:rows.stop], self.counts[rows.start:rows.stop],
+                         self.first_slots[rows.start:rows.stop])

@@ -13,8 +13,8 @@ write float32 partial sums, added up afterwards (dE only; :mod:`cce.partial_sums
   the second operand is rows of c, through the vocabulary order.
 - dC (TRANSPOSED=True): output rows are vocabulary positions, written through the order; the
   list walks token blocks; the first operand is the transposed tile (the k-th of an output
-  block's list is in slot ``first_slots[block] + k``), the second rows of e. The bias gradient
-  (column sums of G) comes along.
+  block's list is in slot ``first_slots[block] - first_slots[0] + k``), the second rows of e.
+  The bias gradient (column sums of G) comes along.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def sparse_tile_matmul_kernel(
         vocab, row_mask = vocab_block_entries(
             vocab_order_ptr, first_block + out_block, vocab_size, BLOCK_VOCAB, SORTED)
         out_rows = vocab
-        first_slot = tl.load(first_slots_ptr + out_block)  # its k-th listed tile: slot + k
+        # Its k-th listed tile is in slot first_slot + k; the chunk's lists are a slice.
+        first_slot = tl.load(first_slots_ptr + out_block) - tl.load(first_slots_ptr)
     else:
         chunk_rows = out_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
         out_rows = first_block * BLOCK_TOKENS + chunk_rows

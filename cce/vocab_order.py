@@ -1,4 +1,4 @@
-"""Vocabulary sorting and the table of tiles the backward cannot skip without looking.
+"""Vocabulary sorting: the order of the vocabulary and where each target lands in it.
 
 The paper orders the vocabulary by average logit, accumulated in the forward with an atomic
 add. The average of ``e_i . c_v + b_v`` over tokens is exactly ``mean(e) . c_v + b_v``: one
@@ -9,7 +9,6 @@ the order is that of the pre-cap average: the cap is monotone, and the order onl
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -38,35 +37,3 @@ def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor])
                                                        device=vocab_order.device)
         positions = position_of[positions]
     return torch.where(valid, positions, -1).to(torch.int32)
-
-
-def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
-               target_positions: torch.Tensor, block_tokens: int, block_vocab: int,
-               filter_eps: float) -> torch.Tensor:
-    """int32 (token blocks, vocabulary blocks) table, 0 where no softmax entry can reach
-    ``filter_eps``: the forward's log-probability bound of the tile is below log(filter_eps).
-
-    ``tile_bound`` covers the non-ignored tokens only (see :func:`cce.lse_forward.lse_forward`),
-    so ignored tokens (a masked prompt) do not keep tiles live. An ignored token whose
-    probabilities do carry a gradient (through the returned LSE, ``prob_scale != 0``) is not
-    covered: its whole token block stays live. Tiles that hold a token's target are always live
-    (their gradient has the -1 of the target). A NaN bound or LSE keeps the tile live, so NaN
-    inputs still reach the gradients. ``target_positions``: from :func:`target_positions`.
-    """
-    num_token_blocks = tile_bound.shape[0]
-    padding = num_token_blocks * block_tokens - lse.shape[0]
-
-    def any_per_block(rows: torch.Tensor) -> torch.Tensor:
-        padded = torch.nn.functional.pad(rows.float(), (0, padding))
-        return padded.view(num_token_blocks, block_tokens).amax(dim=1) > 0
-
-    live = ~(tile_bound < math.log(filter_eps))
-    valid = target_positions >= 0
-    uncovered = any_per_block((~valid & (prob_scale != 0)) | lse.isnan())
-    live |= uncovered[:, None]
-
-    target_block = target_positions.clamp(min=0).long() // block_vocab
-    token_block = torch.arange(valid.shape[0], device=valid.device) // block_tokens
-    live = live.to(torch.int32)  # counts: a scatter of booleans would race on duplicates
-    live.index_put_((token_block, target_block), valid.to(torch.int32), accumulate=True)
-    return live

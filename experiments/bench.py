@@ -41,7 +41,8 @@ import cce
 from cce.cce_function import forward_kernels
 from cce.config import kernel_configs
 from cce.loss import default_filter_eps
-from cce.vocab_order import live_tiles, target_positions
+from cce.live_tiles import live_tiles
+from cce.vocab_order import target_positions
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
                                  WrittenResults, add_sections, float64_reference, measure_loss,

@@ -17,7 +17,7 @@ Measured:
    order and sorted by average logit (``cce.vocab_order.vocab_order``). Square tiles: the paper's
    Alg. 3 tiles both dimensions, and 128 x 128 is exactly the live-tile grid of cce's backward
    for 16-bit inputs on GPU (``cce.config``); the sweep shows how quickly sparsity is lost as
-   tiles grow. At 128 x 128 also cce's own table (``cce.vocab_order.live_tiles``: the forward's
+   tiles grow. At 128 x 128 also cce's own table (``cce.live_tiles.live_tiles``: the forward's
    per-row bound on each tile's largest probability, plus every tile holding a target).
 4. All of it for the prompt and the response tokens apart (the row's target is a prompt or a
    response token), each group's rows taken consecutively, as if only they were in the batch;
@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from cce.vocab_order import live_tiles, target_positions, vocab_order
+from cce.live_tiles import live_tiles
+from cce.vocab_order import target_positions, vocab_order
 from experiments.alpaca_data import IGNORE_INDEX
 from experiments.harness import WrittenResults, write_results
 from experiments.real_model import AlpacaBatch, alpaca_batch, load_model
@@ -121,7 +122,7 @@ class SoftmaxSparsity:
                       compact: bool = True,
                       forward_tile_vocab: int = CCE_FORWARD_TILE_VOCAB) -> torch.Tensor:
         """The tiles that cce's backward computes: its live-tile table
-        (``cce.vocab_order.live_tiles``), built as cce builds it for a loss over the group's
+        (``cce.live_tiles.live_tiles``), built as cce builds it for a loss over the group's
         rows. Its bound on the probabilities of a forward tile (``tile`` x
         ``forward_tile_vocab``) is the largest, over the tile's rows, of exp(the row's largest
         logit in the tile - a lower bound of its LSE): the larger of its target's logit and the

@@ -16,7 +16,8 @@ import torch
 from cce.config import kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
-from cce.vocab_order import live_tiles, target_positions, vocab_order
+from cce.live_tiles import live_tiles
+from cce.vocab_order import target_positions, vocab_order
 from tests.helpers import peaked_inputs
 
 N, V, D = 45, 1500, 40  # not multiples of any block size
@@ -118,6 +119,39 @@ def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: s
 
     assert bool((live[must_be_live] > 0).all()), "a tile with significant entries was skipped"
     assert bool((live == 0).any()), "no tile was dead: the test data is not peaked enough"
+
+
+def test_live_tiles_table_is_the_bounds_verdict(gen: torch.Generator, device: str) -> None:
+    """1 exactly where the bound is not below log(eps) (NaN included), the tile holds a target,
+    or the token block has a row the bounds do not cover (an ignored row with a gradient, or a
+    NaN LSE); 0 elsewhere. Bounds around the threshold, partial last token block."""
+    block_tokens, block_vocab = 4, 8
+    num_tokens, num_vocab_blocks = 4 * block_tokens - 1, 37
+    log_eps = math.log(EPS)
+    bound = log_eps + torch.randn(4, num_vocab_blocks, generator=gen, dtype=torch.float64)
+    bound = bound.float()
+    bound[3, 3] = float("nan")
+    bound[1, :5] = log_eps  # exactly at the threshold: live
+    positions = torch.randint(0, num_vocab_blocks * block_vocab, (num_tokens,), generator=gen,
+                              dtype=torch.int32)
+    positions[:5] = -1  # ignored tokens, in blocks 0 and 1
+    scale = (positions >= 0).float()
+    scale[5] = 0.0  # a target but no gradient: its tile is live all the same
+    scale[1] = 0.5  # ignored with a gradient (through the LSE): block 0 is not covered
+    lse = torch.zeros(num_tokens)
+    lse[9] = float("nan")  # block 2 is not covered
+
+    expected = bound >= torch.tensor(log_eps, dtype=torch.float32)  # compared in float32
+    expected |= bound.isnan()
+    expected[[0, 2]] = True
+    for token in range(num_tokens):
+        if positions[token] >= 0:
+            expected[token // block_tokens, positions[token] // block_vocab] = True
+    live = live_tiles(bound.to(device), lse.to(device), scale.to(device),
+                      positions.to(device), block_tokens, block_vocab, EPS)
+    assert live.dtype == torch.int32
+    assert torch.equal(live.cpu(), expected.to(torch.int32))
+    assert 0 < int(live[3].sum()) < num_vocab_blocks, "the test needs live and dead tiles"
 
 
 def _one_token_block_with_one_target(gen: torch.Generator, device: str):
