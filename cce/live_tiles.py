@@ -68,8 +68,10 @@ def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Te
     live = torch.empty((num_token_blocks, num_vocab_blocks), dtype=torch.int32,
                        device=tile_bound.device)
     if num_token_blocks:
+        # The kernel walks rows with unit strides (no copy for the backward's own tensors).
         live_tiles_kernel[(num_token_blocks,)](
-            tile_bound, lse, prob_scale.float(), target_positions, live, lse.shape[0],
+            tile_bound.contiguous(), lse.contiguous(), prob_scale.float().contiguous(),
+            target_positions.contiguous(), live, lse.shape[0],
             num_vocab_blocks, math.log(filter_eps), BLOCK_TOKENS=block_tokens,
             BLOCK_VOCAB=block_vocab, BLOCK_COLUMNS=_BLOCK_COLUMNS)
     return live

@@ -124,7 +124,8 @@ def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: s
 def test_live_tiles_table_is_the_bounds_verdict(gen: torch.Generator, device: str) -> None:
     """1 exactly where the bound is not below log(eps) (NaN included), the tile holds a target,
     or the token block has a row the bounds do not cover (an ignored row with a gradient, or a
-    NaN LSE); 0 elsewhere. Bounds around the threshold, partial last token block."""
+    NaN LSE); 0 elsewhere. Bounds around the threshold, partial last token block, a bound table
+    that is a view of part of a wider one."""
     block_tokens, block_vocab = 4, 8
     num_tokens, num_vocab_blocks = 4 * block_tokens - 1, 37
     log_eps = math.log(EPS)
@@ -147,7 +148,9 @@ def test_live_tiles_table_is_the_bounds_verdict(gen: torch.Generator, device: st
     for token in range(num_tokens):
         if positions[token] >= 0:
             expected[token // block_tokens, positions[token] // block_vocab] = True
-    live = live_tiles(bound.to(device), lse.to(device), scale.to(device),
+    wider = torch.full((4, num_vocab_blocks + 3), float("nan"))  # a view of part of the rows
+    wider[:, :num_vocab_blocks] = bound
+    live = live_tiles(wider.to(device)[:, :num_vocab_blocks], lse.to(device), scale.to(device),
                       positions.to(device), block_tokens, block_vocab, EPS)
     assert live.dtype == torch.int32
     assert torch.equal(live.cpu(), expected.to(torch.int32))
