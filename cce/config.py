@@ -83,8 +83,9 @@ _MIN_BLOCKS_PER_RECORDING_PROGRAM = 8
 
 @functools.cache
 def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter. Triton reads the variable once, when
-    it is imported; so does this (it is asked several hundred times per loss call)."""
+    """Whether Triton runs kernels in its CPU interpreter. Triton decides when a kernel is
+    decorated, at import (``cce/__init__.py``), so this reads the variable once too (it is asked
+    several hundred times per loss call)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
