@@ -42,8 +42,8 @@ class KernelConfigs:
     def __post_init__(self):
         grid = self.live_grid
         if (self.lse_forward.block_tokens != grid.block_tokens
-                or self.lse_forward.block_vocab % grid.block_vocab):
-            raise ValueError("the forward's tiles must be whole rows of live-grid tiles")
+                or self.lse_forward.block_vocab not in (grid.block_vocab, 2 * grid.block_vocab)):
+            raise ValueError("the forward's tiles must be one or two live-grid tiles")
 
 
 _INTERPRETER = KernelConfigs(

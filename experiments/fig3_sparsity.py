@@ -48,7 +48,7 @@ EPS = 2.0**-12  # cce's filter_eps for bfloat16: finfo(bfloat16).eps / 32
 BLOCK = 16  # vocabulary granularity of the stored per-row maxima: the smallest tile width
 TILE_SIZES = (16, 32, 64, 128, 256)
 CCE_TILE = 128  # cce.config's live_grid for 16-bit inputs on GPU: 128 tokens x 128 vocabulary
-CCE_FORWARD_TILE_VOCAB = 256  # its forward tiles: one recorded bound per 128 x 256 logits
+CCE_FORWARD_TILE_VOCAB = 256  # its forward tiles (128 x 256): two live-grid tiles each
 ROW_CHUNK = 256  # rows of float32 logits at a time: 256 x 262144 x 4 B = 256 MiB
 QUICK_TOKENS = 4096
 FULL_TOKENS = 16384
@@ -123,28 +123,27 @@ class SoftmaxSparsity:
                       forward_tile_vocab: int = CCE_FORWARD_TILE_VOCAB) -> torch.Tensor:
         """The tiles that cce's backward computes: its live-tile table
         (``cce.live_tiles.live_tiles``), built as cce builds it for a loss over the group's
-        rows. Its bound on the probabilities of a forward tile (``tile`` x
-        ``forward_tile_vocab``) is the largest, over the tile's rows, of exp(the row's largest
-        logit in the tile - a lower bound of its LSE): the larger of its target's logit and the
-        log-sum-exp of its logits up to the tile's end, as one forward program per token block
-        would have them (on a GPU several programs share a block's vocabulary and each also reads
-        what the others have merged: a bound of about the same tightness). It keeps every tile
-        with an entry >= eps live, and more; tiles holding a target are live too. Rows outside
-        the group (``compact=False``) are ignored tokens: cce leaves them out of the bounds."""
+        rows. Its bound on the probabilities of a tile is the largest, over the tile's rows, of
+        exp(the row's largest logit in the tile - a lower bound of its LSE): the larger of its
+        target's logit and the log-sum-exp of its logits up to the end of the forward tile
+        (``tile`` x ``forward_tile_vocab``) that holds the tile, as one forward program per token
+        block would have them (on a GPU several programs share a block's vocabulary and each also
+        reads what the others have merged: a bound of about the same tightness). It keeps every
+        tile with an entry >= eps live, and more; tiles holding a target are live too. Rows
+        outside the group (``compact=False``) are ignored tokens: cce leaves them out of the
+        bounds."""
         rows, member = self._tiled_rows(group, compact)
         in_group = member.bool()
-        per_tile = _blocks_per_tile(forward_tile_vocab)
+        per_tile, per_forward_tile = _blocks_per_tile(tile), _blocks_per_tile(forward_tile_vocab)
         block_max, block_lse = self.block_max[order][rows], self.block_lse[order][rows]
-        forward_row_max = _tile_max(block_max, 1, per_tile)
+        row_max = _tile_max(block_max, 1, per_tile)
         blocks = block_lse.shape[1]
-        tile_ends = torch.arange(per_tile - 1, forward_row_max.shape[1] * per_tile, per_tile)
-        lse_so_far = torch.logcumsumexp(block_lse, dim=1)[:, tile_ends.clamp(max=blocks - 1)]
+        tile_starts = torch.arange(row_max.shape[1]) * per_tile
+        forward_ends = (tile_starts // per_forward_tile + 1) * per_forward_tile - 1
+        lse_so_far = torch.logcumsumexp(block_lse, dim=1)[:, forward_ends.clamp(max=blocks - 1)]
         lse_lower = torch.maximum(lse_so_far, self.target_logit[rows][:, None])
-        row_bound = (forward_row_max - lse_lower).masked_fill(~in_group[:, None], -math.inf)
-        forward_bound = _tile_max(row_bound, tile, 1)
-        live_blocks = -(-blocks // _blocks_per_tile(tile))
-        tile_bound = forward_bound.repeat_interleave(forward_tile_vocab // tile,
-                                                    dim=1)[:, :live_blocks]
+        row_bound = (row_max - lse_lower).masked_fill(~in_group[:, None], -math.inf)
+        tile_bound = _tile_max(row_bound, tile, 1)
         targets = torch.where(in_group, self.targets[rows], IGNORE_INDEX)
         table = live_tiles(tile_bound, self.lse[rows], member,
                            target_positions(targets, self.order if order == "sorted" else None),

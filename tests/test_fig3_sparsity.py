@@ -142,9 +142,10 @@ def test_sorting_permutes_the_vocabulary_by_average_logit(synthetic) -> None:
 def test_cce_table_matches_its_rule_and_holds_every_live_tile(synthetic, order: str,
                                                               compact: bool) -> None:
     """cce's table at 32 x 32 (forward tiles 32 x 64) for the response rows equals a
-    brute-force evaluation of its rule (the largest, over the forward tile's response rows, of
-    the row's largest logit in it - the larger of its target's logit and the log-sum-exp of its
-    logits up to the forward tile's end, >= log eps; or a response row's target in the tile)
+    brute-force evaluation of its rule (the largest, over the tile's response rows, of the
+    row's largest logit in it - the larger of its target's logit and the log-sum-exp of its
+    logits up to the end of the forward tile holding it, >= log eps; or a response row's target
+    in the tile)
     and contains every tile with an entry >= eps of a response row. ``compact``: the response
     rows alone; otherwise in place among ignored prompt rows."""
     logits, targets, response, sparsity = synthetic
@@ -164,10 +165,9 @@ def test_cce_table_matches_its_rule_and_holds_every_live_tile(synthetic, order: 
         in_tile = member[i:i + tile]
         for j in range(0, V, tile):
             forward_end = (j // forward_tile + 1) * forward_tile
-            forward_logits = ordered[i:i + tile, forward_end - forward_tile:forward_end]
             lse_lower = torch.maximum(torch.logsumexp(ordered[i:i + tile, :forward_end], dim=1),
                                       target_logit[i:i + tile])
-            row_bound = forward_logits.amax(dim=1) - lse_lower
+            row_bound = ordered[i:i + tile, j:j + tile].amax(dim=1) - lse_lower
             bound = float(row_bound[in_tile].max()) if in_tile.any() else -math.inf
             tile_targets = targets[rows][i:i + tile][in_tile]
             holds_target = bool(((position[tile_targets] // tile) == j // tile).any())

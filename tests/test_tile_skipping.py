@@ -44,15 +44,10 @@ def test_vocab_order_sorts_by_average_logit(gen: torch.Generator, device: str) -
     assert bool((average[order].diff() <= 1e-5).all())
 
 
-def _per_forward_tile_max(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The largest entry of the forward tile that holds each live-grid tile (forward tiles are
-    whole rows of live-grid tiles): what the forward's bounds are per tile."""
-    configs = kernel_configs(dtype)
-    grid, forward = configs.live_grid, configs.lse_forward
-    maxima = _tile_view(values, forward.block_tokens, forward.block_vocab).amax(dim=(2, 3))
-    live_blocks = -(-values.shape[1] // grid.block_vocab)
-    return maxima.repeat_interleave(forward.block_vocab // grid.block_vocab,
-                                    dim=1)[:, :live_blocks]
+def _per_tile_max(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The largest entry of each live-grid tile."""
+    grid = kernel_configs(dtype).live_grid
+    return _tile_view(values, grid.block_tokens, grid.block_vocab).amax(dim=(2, 3))
 
 
 def _forward_with_bounds(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
@@ -63,9 +58,10 @@ def _forward_with_bounds(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
 
 def test_forward_records_sound_log_probability_bounds(gen: torch.Generator,
                                                       device: str) -> None:
-    """tile_bound[i, j] bounds the log-probability of every entry of the forward tile holding
-    tile (i, j) of the live grid on a non-ignored row (vocabulary sorted), is never above 0,
-    and is at least as tight as the target logits alone make it."""
+    """tile_bound[i, j] bounds the log-probability of every entry of tile (i, j) of the live
+    grid on a non-ignored row (vocabulary sorted), is never above 0, and is at least as tight
+    as the target logits alone make it for that tile (not only for the wider forward tile that
+    holds it)."""
     e, c, targets = peaked_inputs(gen, device, N, V, D)
     order = vocab_order(e, c, None, targets)
     lse, tile_bound = _forward_with_bounds(e, c, targets, order)
@@ -79,9 +75,29 @@ def test_forward_records_sound_log_probability_bounds(gen: torch.Generator,
     above_target = torch.full_like(logits, -math.inf)
     above_target[~ignored] = logits[~ignored] - target_logit[:, None]
     bound = tile_bound.double()
-    assert bool((bound >= _per_forward_tile_max(log_probs, e.dtype) - 1e-5).all())
+    assert bool((bound >= _per_tile_max(log_probs, e.dtype) - 1e-5).all())
     assert bool((bound <= 1e-5).all())
-    assert bool((bound <= _per_forward_tile_max(above_target, e.dtype) + 1e-5).all())
+    assert bool((bound <= _per_tile_max(above_target, e.dtype) + 1e-5).all())
+
+
+def test_each_live_grid_tile_gets_its_own_bound(gen: torch.Generator, device: str) -> None:
+    """A forward tile spans two live-grid tiles (16-bit inputs) and each gets the bound of its
+    own entries: here every target sits in the first, with logits far above all others, so
+    the second, in the same forward tile, is proven dead (one bound per forward tile would
+    keep it live)."""
+    configs = kernel_configs(torch.bfloat16)
+    grid, forward = configs.live_grid, configs.lse_forward
+    assert forward.block_vocab == 2 * grid.block_vocab
+    num_tokens, vocab, dim = 2 * grid.block_tokens - 3, 3 * forward.block_vocab - 7, 8
+    c = 0.01 * torch.randn(vocab, dim, generator=gen)
+    c[:grid.block_vocab, 0] = 10.0
+    e = torch.zeros(num_tokens, dim)
+    e[:, 0] = 2.0  # logits: 20 in the first live-grid tile, about 0 elsewhere
+    targets = torch.randint(0, grid.block_vocab, (num_tokens,), generator=gen)
+    e, c, targets = e.to(device, torch.bfloat16), c.to(device, torch.bfloat16), targets.to(device)
+    _, tile_bound = _forward_with_bounds(e, c, targets)
+    assert bool((tile_bound[:, 0] >= math.log(EPS)).all())
+    assert bool((tile_bound[:, 1:] < math.log(EPS)).all())
 
 
 def test_tile_bounds_ignore_each_rows_logit_offset(gen: torch.Generator, device: str) -> None:
