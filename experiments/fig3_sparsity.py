@@ -40,7 +40,7 @@ import torch
 from cce.live_tiles import live_tiles
 from cce.vocab_order import target_positions, vocab_order
 from experiments.alpaca_data import IGNORE_INDEX
-from experiments.harness import WrittenResults, write_results
+from experiments.harness import DEVICE, WrittenResults, write_results
 from experiments.real_model import AlpacaBatch, alpaca_batch, load_model
 
 NAME = "fig3_sparsity"
@@ -145,10 +145,12 @@ class SoftmaxSparsity:
         row_bound = (row_max - lse_lower).masked_fill(~in_group[:, None], -math.inf)
         tile_bound = _tile_max(row_bound, tile, 1)
         targets = torch.where(in_group, self.targets[rows], IGNORE_INDEX)
-        table = live_tiles(tile_bound, self.lse[rows], member,
-                           target_positions(targets, self.order if order == "sorted" else None),
-                           tile, tile, self.eps)
-        return table.ne(0)
+        positions = target_positions(targets, self.order if order == "sorted" else None)
+        # cce's own table kernel, on the GPU when there is one (it runs on CPU only when Triton
+        # interprets); the statistics stay on the CPU.
+        table = live_tiles(*(x.to(DEVICE) for x in (tile_bound, self.lse[rows], member,
+                                                     positions)), tile, tile, self.eps)
+        return table.ne(0).cpu()
 
     def cce_live_fraction(self, order: str, group: str = "all", tile: int = CCE_TILE,
                           compact: bool = True) -> float:
