@@ -88,7 +88,7 @@ def lse_forward_kernel(
             # The row maxima of each live-grid tile, by masking the other one's columns: the
             # LSE's row maxima are their maxima. (A reshape of the tile, or joining the two
             # halves' maxima, moves data through shared memory: +15% forward kernel time at
-            # D = 640 on an H200, against +5% for the masks; NOTES.md.)
+            # D = 640 on an H200, against +4% for the masks; NOTES.md.)
             left = (tl.arange(0, BLOCK_VOCAB) < LIVE_BLOCK_VOCAB)[None, :]
             left_row_max = tl.max(tl.where(left, logits, float("-inf")), axis=1)
             right_row_max = tl.max(tl.where(left, float("-inf"), logits), axis=1)
