@@ -95,8 +95,7 @@ def lse_forward_kernel(
             tile_row_max = tl.maximum(left_row_max, right_row_max)
         else:
             tile_row_max = tl.max(logits, axis=1)
-            left_row_max = tile_row_max
-            right_row_max = tile_row_max
+            left_row_max = tile_row_max  # the only live-grid tile when RECORDS_PER_TILE == 1
         new_max = tl.maximum(running_max, tile_row_max)
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         # exp(z - m) as exp2(z * log2(e) - m * log2(e)): one fused multiply-add per entry
