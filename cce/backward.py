@@ -34,8 +34,9 @@ from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, sm_utilization,
 from cce.gradient_tiles import gradient_tiles, listed_gradient_tiles
 from cce.live_lists import TileLists
 from cce.scratch import Scratch, rows_can_hold_segments
-from cce.sparse_tile_matmul import (embeddings_product_programs, gradient_times_classifier,
-                                    gradient_times_embeddings, product_programs_per_block)
+from cce.sparse_tile_matmul import (MassCorrection, embeddings_product_programs,
+                                    gradient_times_classifier, gradient_times_embeddings,
+                                    product_programs_per_block)
 
 
 def linear_cross_entropy_backward(
@@ -44,11 +45,13 @@ def linear_cross_entropy_backward(
     prob_scale: torch.Tensor,
     target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
     live_tiles: Optional[torch.Tensor], filter_eps: Optional[float], needs_grad_e: bool,
-    needs_grad_c: bool,
+    needs_grad_c: bool, mass_correction: bool = False,
 ) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
     """(dE, dC, dbias), each None when not needed. ``target_positions``: see
     :func:`cce.vocab_order.target_positions`; ``live_tiles``: the live-grid table of tiles that
-    may hold a significant entry (None: every tile may)."""
+    may hold a significant entry (None: every tile may); ``mass_correction``: dE gets back what
+    the filter dropped, estimated along the mean classifier row (:mod:`cce.sparse_tile_matmul`;
+    needs ``filter_eps`` and no softcap)."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     grid = kernel_configs(e.dtype).live_grid
@@ -69,12 +72,15 @@ def linear_cross_entropy_backward(
         chunk = _embeddings_chunk(scratch, num_token_blocks, row_segments, dim, e.dtype,
                                   e.device)
         room = _room_after(scratch, chunk * row_segments)
+        correction = MassCorrection.of(c, prob_scale) if mass_correction else None
         for first in range(0, num_token_blocks, chunk):
             token_blocks = range(first, min(first + chunk, num_token_blocks))
             gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
                            vocab_order, live_tiles, filter_eps, flags, scratch, token_blocks,
-                           range(num_vocab_blocks))
-            gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e, token_blocks, room)
+                           range(num_vocab_blocks),
+                           correction.kept_mass if correction is not None else None)
+            gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e, token_blocks, room,
+                                      correction)
         del scratch, room
 
     if needs_grad_c:

@@ -41,17 +41,21 @@ def _compile_settings():
     return torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True)
 
 
-def torch_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False):
-    """Materialize the logits; filter_eps and vocab_sorting do not apply (exact gradients)."""
+def torch_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False,
+               filter_correction=False):
+    """Materialize the logits; filter_eps, vocab_sorting and filter_correction do not apply
+    (exact gradients)."""
     return _logits_loss_lse(e, c, targets, bias, softcap)
 
 
-def torch_compile_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False):
+def torch_compile_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False,
+                       filter_correction=False):
     with _compile_settings():
         return _compiled()(e, c, targets, bias, softcap)
 
 
-def chunked_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False):
+def chunked_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False,
+                 filter_correction=False):
     compiled = _compiled()
     with _compile_settings():
         chunks = [compiled(e_chunk, c, target_chunk, bias, softcap) for e_chunk, target_chunk

@@ -44,7 +44,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, softcap: Optional[float], filter_eps: Optional[float],
-                vocab_sorting: bool, needs_grad: bool):
+                vocab_sorting: bool, filter_correction: bool, needs_grad: bool):
         # needs_grad comes from outside: grad mode is always off in here, and
         # ctx.needs_input_grad is True under torch.no_grad too.
         order, target_logit, lse, tile_bound = forward_kernels(
@@ -54,6 +54,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.save_for_backward(e, c, bias, targets, lse, order, tile_bound)
         ctx.softcap = softcap
         ctx.filter_eps = filter_eps
+        ctx.mass_correction = filter_correction and filter_eps is not None and softcap is None
         return loss, lse
 
     @staticmethod
@@ -71,13 +72,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
             e, c, positions, bias, ctx.softcap, lse, prob_scale, target_scale, order, live,
             ctx.filter_eps, needs_grad_e=ctx.needs_input_grad[0],
-            needs_grad_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        return grad_e, grad_c, grad_bias, None, None, None, None, None
+            needs_grad_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
+            mass_correction=ctx.mass_correction)
+        return grad_e, grad_c, grad_bias, None, None, None, None, None, None
 
 
 def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
              bias: Optional[torch.Tensor], softcap: Optional[float],
-             filter_eps: Optional[float], vocab_sorting: bool):
+             filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool):
     """Canonical-signature entry point (see :mod:`cce.loss`)."""
     device = e.device
     if device.type == "cpu" and not interpreting():
@@ -95,5 +97,6 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     needs_grad = torch.is_grad_enabled() and any(
         tensor is not None and tensor.requires_grad for tensor in (e, c, bias))
     loss, lse = LinearCrossEntropyFunction.apply(e, c, bias, targets.contiguous(), softcap,
-                                                 filter_eps, vocab_sorting, needs_grad)
+                                                 filter_eps, vocab_sorting, filter_correction,
+                                                 needs_grad)
     return loss.to(device), lse.to(device)

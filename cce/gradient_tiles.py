@@ -6,7 +6,10 @@ exactly (gradient filtering: every entry below ``filter_eps``) and stored in the
 
 - Pass 1 (:func:`gradient_tiles`): one program per tile of the chunk's rows of the live grid.
   Tiles that the forward's bounds prove negligible are skipped without a recompute; ``flags``
-  records which tiles survived the filter and were stored.
+  records which tiles survived the filter and were stored. With ``kept_mass``, it also adds up
+  each row's softmax mass in the stored tiles, for the dE product's estimate of what the filter
+  dropped (:mod:`cce.sparse_tile_matmul`). The sum is in fixed point (units of 2^-62), so that
+  the atomic additions are exact and the result does not depend on their order.
 - Pass 2 (:func:`listed_gradient_tiles`): one program per tile of the chunk's lists, the tiles
   pass 1 stored (:mod:`cce.live_lists`), each stored in a slot of its own, so that the chunk's
   scratch holds only those.
@@ -25,11 +28,14 @@ from cce.logit_tile import logit_gradient_tile, round_to, vocab_block_entries
 from cce.live_lists import TileLists
 from cce.scratch import Scratch, segment_offsets
 
+KEPT_MASS_ONE = tl.constexpr(2**62)  # a softmax mass m is added up as int64 m * 2^62
+KEPT_MASS_UNIT = tl.constexpr(2.0**-62)
+
 
 @triton.jit
 def gradient_tiles_kernel(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
-    vocab_order_ptr, live_tiles_ptr, flags_ptr, scratch_ptr, pages_ptr,
+    vocab_order_ptr, live_tiles_ptr, flags_ptr, kept_mass_ptr, scratch_ptr, pages_ptr,
     tile_lists_ptr, tile_counts_ptr, first_slots_ptr,
     num_tokens, vocab_size, dim, num_vocab_blocks,
     first_token_block, first_vocab_block, chunk_token_blocks, chunk_vocab_blocks,
@@ -37,7 +43,7 @@ def gradient_tiles_kernel(
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
     SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr, LISTED: tl.constexpr,
-    SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
+    SUM_KEPT_MASS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -77,7 +83,7 @@ def gradient_tiles_kernel(
                                   BLOCK_VOCAB, SCRATCH_IN_ORDER)
         vocab, vocab_mask = vocab_block_entries(
             vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
-        grad, keep = logit_gradient_tile(
+        grad, keep, row_mass = logit_gradient_tile(
             e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr,
             target_scale_ptr, rows, row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
             stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
@@ -92,6 +98,10 @@ def gradient_tiles_kernel(
             tl.store(scratch_ptr + offsets, round_to(grad, scratch_ptr.dtype.element_ty,
                                                      DOT_PRECISION), mask=row_mask[:, None])
             tl.store(flag_ptr, 1)
+            if SUM_KEPT_MASS:
+                row_mass = tl.where(row_mass == row_mass, row_mass, 0.0)  # NaN rows stay NaN
+                tl.atomic_add(kept_mass_ptr + rows, (row_mass * KEPT_MASS_ONE).to(tl.int64),
+                              mask=row_mask, sem="relaxed")
         else:
             tl.store(flag_ptr, 0)
     elif not LISTED:
@@ -103,13 +113,16 @@ def gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Ten
                    prob_scale: torch.Tensor, target_scale: torch.Tensor,
                    vocab_order: Optional[torch.Tensor], live_tiles: Optional[torch.Tensor],
                    filter_eps: Optional[float], flags: torch.Tensor, scratch: Scratch,
-                   token_blocks: range, vocab_blocks: range) -> None:
+                   token_blocks: range, vocab_blocks: range,
+                   kept_mass: Optional[torch.Tensor] = None) -> None:
     """Pass 1: store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks),
     whole rows of the grid, in ``scratch`` and set their ``flags`` (int32, one per live-grid
-    tile: 1 = stored). ``target_positions``: see :func:`cce.vocab_order.target_positions`."""
+    tile: 1 = stored); add the softmax mass of the stored tiles to ``kept_mass`` (int64 (N,),
+    module docstring) when given. ``target_positions``: see
+    :func:`cce.vocab_order.target_positions`."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
-            programs=len(token_blocks) * len(vocab_blocks))
+            programs=len(token_blocks) * len(vocab_blocks), kept_mass=kept_mass)
 
 
 def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Tensor,
@@ -129,7 +142,8 @@ def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: to
 
 def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks, programs,
-            tile_lists: Optional[TileLists] = None, longest_list: int = 1) -> None:
+            tile_lists: Optional[TileLists] = None, longest_list: int = 1,
+            kept_mass: Optional[torch.Tensor] = None) -> None:
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
     grid, config = configs.live_grid, configs.gradient_tiles
@@ -138,7 +152,7 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
     listed = tile_lists is not None
     gradient_tiles_kernel[(programs,)](
         e, c, bias, target_positions, lse, prob_scale, target_scale, vocab_order, live_tiles,
-        flags, scratch.buffer, scratch.pages,
+        flags, kept_mass, scratch.buffer, scratch.pages,
         tile_lists.lists if listed else None, tile_lists.counts if listed else None,
         tile_lists.first_slots if listed else None,
         num_tokens, c.shape[0], dim, triton.cdiv(c.shape[0], grid.block_vocab),
@@ -149,6 +163,7 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
         FILTER=filter_eps is not None, SORTED=vocab_order is not None,
         SKIP_DEAD_TILES=live_tiles is not None, LISTED=listed,
+        SUM_KEPT_MASS=kept_mass is not None,
         SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),

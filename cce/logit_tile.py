@@ -97,7 +97,8 @@ def logit_gradient_tile(
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Recompute one tile and return (gradient of the pre-softcap logits in float32, keep).
+    """Recompute one tile and return (gradient of the pre-softcap logits in float32, keep, the
+    softmax mass of each row in the tile).
     ``vocab_block``: the tile's block of vocabulary positions (``vocab`` = the entries at them).
 
     The gradient is ``prob_scale[i] * softmax_ij - target_scale[i] * [j == x_i]``, times the
@@ -140,4 +141,4 @@ def logit_gradient_tile(
     if HAS_SOFTCAP:
         capped = logits / softcap
         grad = grad * (1.0 - capped * capped)
-    return grad, keep
+    return grad, keep, tl.sum(probs, axis=1)

@@ -46,6 +46,7 @@ def linear_cross_entropy(
     shift: int = 0,
     filter_eps: Union[float, Literal["auto"], None] = "auto",
     vocab_sorting: bool = True,
+    filter_correction: bool = True,
     return_lse: bool = False,
     impl: str = "cce",
 ) -> Union[torch.Tensor, "tuple[torch.Tensor, torch.Tensor]"]:
@@ -72,6 +73,11 @@ def linear_cross_entropy(
             all below it. "auto" is 2^-12 for bfloat16 (finfo(dtype).eps / 32 in general);
             None disables filtering (exact gradients).
         vocab_sorting: order backward tiles by average logit so that skipped tiles are common.
+        filter_correction: with filtering, add what the filter dropped back to the gradient of
+            ``e``, as each row's dropped probability mass times the mean row of ``c`` (not in
+            the paper: it removes most of the filter's error on language-model data, whose
+            classifier rows share a direction). Not applied with ``softcap``, whose derivative
+            the dropped entries' sum does not carry. False: the paper's filter.
         return_lse: also return the log-sum-exp of every row, shape of ``targets``.
         impl: "cce" (Triton kernels), "torch" (materialized logits), "torch_compile" or
             "chunked" (8 compiled chunks, torchtune-style).
@@ -80,7 +86,7 @@ def linear_cross_entropy(
         The loss, or ``(loss, lse)`` when ``return_lse`` is True.
     """
     _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
-                     vocab_sorting, impl)
+                     vocab_sorting, filter_correction, impl)
     eps = default_filter_eps(e.dtype) if filter_eps == "auto" else filter_eps
 
     canonical_targets, out_of_range = _canonical_targets(targets, ignore_index, shift,
@@ -89,7 +95,8 @@ def linear_cross_entropy(
     read_any_out_of_range = _start_host_read(any_out_of_range)
     flat_e = e.reshape(-1, e.shape[-1])
     token_loss, lse = IMPLEMENTATIONS[impl](
-        flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting
+        flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting,
+        filter_correction
     )
     if read_any_out_of_range is None:
         # No host check possible (torch.compile, CUDA graph capture): poison the loss instead.
@@ -123,15 +130,18 @@ class LinearCrossEntropy(nn.Module):
         shift: int = 0,
         filter_eps: Union[float, Literal["auto"], None] = "auto",
         vocab_sorting: bool = True,
+        filter_correction: bool = True,
         return_lse: bool = False,
         impl: str = "cce",
     ) -> None:
         super().__init__()
-        _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting, impl)
+        _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
+                       filter_correction, impl)
         self.bias = bias
         self.options = dict(ignore_index=ignore_index, softcap=softcap, reduction=reduction,
                             shift=shift, filter_eps=filter_eps, vocab_sorting=vocab_sorting,
-                            return_lse=return_lse, impl=impl)
+                            filter_correction=filter_correction, return_lse=return_lse,
+                            impl=impl)
 
     def forward(self, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor):
         return linear_cross_entropy(e, c, targets, bias=self.bias, **self.options)
@@ -178,7 +188,7 @@ def _start_host_read(flag: torch.Tensor) -> Optional[Callable[[], bool]]:
 
 
 def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
-                     vocab_sorting, impl) -> None:
+                     vocab_sorting, filter_correction, impl) -> None:
     for name, tensor in (("e", e), ("c", c), ("targets", targets)):
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -209,13 +219,14 @@ def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shif
             raise ValueError(f"bias must be a tensor of shape ({c.shape[0]},)")
         if bias.dtype != e.dtype or bias.device != e.device:
             raise ValueError("bias must have the dtype and device of e")
-    _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting, impl)
+    _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
+                   filter_correction, impl)
     if shift and e.dim() < 2:
         raise ValueError("shift needs e with a sequence dimension, shape (..., T, D)")
 
 
 def _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
-                   impl) -> None:
+                   filter_correction, impl) -> None:
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
     if softcap is not None and not (_is_number(softcap) and math.isfinite(softcap) and softcap > 0):
@@ -230,6 +241,8 @@ def _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_so
         raise ValueError(f"filter_eps must be 'auto', None or a positive float, got {filter_eps!r}")
     if not isinstance(vocab_sorting, bool):
         raise ValueError(f"vocab_sorting must be a bool, got {vocab_sorting!r}")
+    if not isinstance(filter_correction, bool):
+        raise ValueError(f"filter_correction must be a bool, got {filter_correction!r}")
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {tuple(IMPLEMENTATIONS)}, got {impl!r}")
 

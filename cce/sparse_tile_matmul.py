@@ -15,31 +15,54 @@ write float32 partial sums, added up afterwards (dE only; :mod:`cce.partial_sums
   list walks token blocks; the first operand is the transposed tile (the k-th of an output
   block's list is in slot ``first_slots[block] - first_slots[0] + k``), the second rows of e.
   The bias gradient (column sums of G) comes along.
+
+Gradient filtering drops entries of G. With a ``MassCorrection`` (dE only), the product adds
+them back as an estimate: each row's dropped probability mass (one minus the kept mass, which
+pass 1 sums, :mod:`cce.gradient_tiles`) times the mean classifier row. The dropped entries are
+many small ones, and language models' classifier rows share a direction, so this removes most
+of the filter's dE error (NOTES.md, twelfth session).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from cce.config import dot_precision, kernel_configs, split_count
+from cce.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.live_lists import TileLists, live_lists
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
 from cce.partial_sums import sum_partials
 from cce.scratch import Scratch, segment_offsets
 
 
+class MassCorrection(NamedTuple):
+    """What the dE product needs to add back what the filter dropped (module docstring)."""
+
+    classifier_mean: torch.Tensor  # float32 (D,): the mean row of c
+    prob_scale: torch.Tensor  # float32 (N,), as in cce.logit_tile.logit_gradient_tile
+    kept_mass: torch.Tensor  # int64 (N,): fixed point, see cce.gradient_tiles
+
+    @classmethod
+    def of(cls, c: torch.Tensor, prob_scale: torch.Tensor) -> "MassCorrection":
+        """Before pass 1, which adds the kept mass up."""
+        return cls(torch.mean(c, dim=0, dtype=torch.float32), prob_scale,
+                   torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device))
+
+
 @triton.jit
 def sparse_tile_matmul_kernel(
     scratch_ptr, pages_ptr, live_lists_ptr, live_counts_ptr, first_slots_ptr, operand_ptr,
     vocab_order_ptr, out_ptr, partial_ptr, grad_bias_ptr,
+    classifier_mean_ptr, prob_scale_ptr, kept_mass_ptr,
     num_tokens, vocab_size, dim, chunk_vocab_blocks, page_stride,
     first_block, num_out_blocks, list_stride, stride_operand_row, stride_operand_dim,
     TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLITS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
+    MASS_CORRECTION: tl.constexpr, SPLITS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr,
+    SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     BLOCK_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -98,6 +121,17 @@ def sparse_tile_matmul_kernel(
                 mask=vocab_mask[:, None] & out_mask[None, :], other=0.0)
         acc = tile_dot(operand_a, operand_b, acc, DOT_PRECISION)
 
+    if MASS_CORRECTION:
+        if split == 0:
+            # The filter dropped prob_scale * (1 - kept mass) of each row's gradient (the
+            # targets' tiles are never dropped). 1 - kept mass in fixed point: exact.
+            kept_mass = tl.load(kept_mass_ptr + out_rows, mask=row_mask, other=0)
+            dropped_mass = (kept_mass - KEPT_MASS_ONE).to(tl.float32) * -KEPT_MASS_UNIT
+            prob_scale = tl.load(prob_scale_ptr + out_rows, mask=row_mask, other=0.0)
+            dropped = prob_scale * dropped_mass
+            classifier_mean = tl.load(classifier_mean_ptr + out_dims, mask=out_mask, other=0.0)
+            acc += dropped[:, None] * classifier_mean[None, :]
+
     if SPLITS == 1:
         tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * dim + out_dims[None, :],
                  round_to(acc, out_ptr.dtype.element_ty, DOT_PRECISION),
@@ -115,13 +149,15 @@ def sparse_tile_matmul_kernel(
 
 def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Tensor,
                               vocab_order: Optional[torch.Tensor], grad_e: torch.Tensor,
-                              token_blocks: range, room: Optional[torch.Tensor] = None) -> None:
+                              token_blocks: range, room: Optional[torch.Tensor] = None,
+                              mass_correction: Optional[MassCorrection] = None) -> None:
     """``grad_e[rows of token_blocks] = G @ c`` for a chunk of whole rows of the tile grid
-    (pass 1: stored whole rows of the grid, ``flags`` say which tiles hold something).
+    (pass 1: stored whole rows of the grid, ``flags`` say which tiles hold something), plus the
+    filtered mass along the mean row of c when ``mass_correction`` is given.
     ``room``: free float32 memory for the partial sums of a split product."""
     lists, counts = live_lists(flags[token_blocks.start:token_blocks.stop])
     _launch(scratch, lists, counts, None, c, vocab_order, grad_e, None, token_blocks.start,
-            flags.shape[1], transposed=False, room=room)
+            flags.shape[1], transposed=False, room=room, mass_correction=mass_correction)
 
 
 def gradient_times_classifier(scratch: Scratch, tile_lists: TileLists, e: torch.Tensor,
@@ -164,7 +200,8 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             first_slots: Optional[torch.Tensor], operand: torch.Tensor,
             vocab_order: Optional[torch.Tensor], out: torch.Tensor,
             grad_bias: Optional[torch.Tensor], first_block: int, chunk_vocab_blocks: int,
-            transposed: bool, room: Optional[torch.Tensor] = None) -> None:
+            transposed: bool, room: Optional[torch.Tensor] = None,
+            mass_correction: Optional[MassCorrection] = None) -> None:
     configs = kernel_configs(operand.dtype)
     grid, config = configs.live_grid, configs.sparse_tile_matmul
     dim = operand.shape[1]
@@ -182,13 +219,15 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             partial = torch.empty((splits, rows, dim), dtype=torch.float32, device=out.device)
     num_tokens = out.shape[0] if not transposed else operand.shape[0]
     vocab_size = out.shape[0] if transposed else operand.shape[0]
+    correction = mass_correction or MassCorrection(None, None, None)  # None: unused pointers
     sparse_tile_matmul_kernel[(programs * splits,)](
         scratch.buffer, scratch.pages, lists, counts, first_slots, operand, vocab_order, out,
-        partial, grad_bias, num_tokens, vocab_size, dim, chunk_vocab_blocks,
+        partial, grad_bias, correction.classifier_mean, correction.prob_scale,
+        correction.kept_mass, num_tokens, vocab_size, dim, chunk_vocab_blocks,
         scratch.page_stride, first_block, num_out_blocks,
         lists.stride(0), operand.stride(0), operand.stride(1),
         TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
-        SPLITS=splits, SCRATCH_IN_ORDER=scratch.in_order,
+        MASS_CORRECTION=mass_correction is not None, SPLITS=splits, SCRATCH_IN_ORDER=scratch.in_order,
         SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_OUT=_block_out(dim, operand.dtype), DOT_PRECISION=dot_precision(operand.dtype),

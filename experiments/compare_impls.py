@@ -41,10 +41,12 @@ class Variant:
 
 
 def variants() -> list[Variant]:
-    """Each implementation with its defaults, then CCE without each backward optimization."""
+    """Each implementation with its defaults, then CCE without each backward optimization, and
+    with the paper's filter (no correction of the mass it drops)."""
     return [Variant(impl, impl) for impl in cce.IMPLEMENTATIONS] + [
         Variant("cce (filter_eps=None)", "cce", {"filter_eps": None}),
         Variant("cce (vocab_sorting=False)", "cce", {"vocab_sorting": False}),
+        Variant("cce (filter_correction=False)", "cce", {"filter_correction": False}),
     ]
 
 

@@ -209,7 +209,8 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
     e, c, targets = peaked_inputs(gen, device, N, vocab, dim)
     e = e.bfloat16().requires_grad_()
     c = c.bfloat16().requires_grad_()
-    loss, _ = LinearCrossEntropyFunction.apply(e, c, None, targets, None, 2.0**-12, True, True)
+    loss, _ = LinearCrossEntropyFunction.apply(e, c, None, targets, None, 2.0**-12, True, True,
+                                               True)
     forward = loss.grad_fn
     grad_loss = torch.rand(N, generator=gen).to(device)
 
@@ -217,7 +218,7 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
         listed.clear()
         *saved, tile_bound = forward.saved_tensors
         context = SimpleNamespace(saved_tensors=(*saved, tile_bound + 4.0), softcap=None,
-                                  filter_eps=2.0**-12,
+                                  filter_eps=2.0**-12, mass_correction=True,
                                   needs_input_grad=(with_grad_e, True, False))
         gradients = LinearCrossEntropyFunction.backward(context, grad_loss, None)
         return gradients[1], sum(int(args[11].counts.sum()) for args in listed)

@@ -305,6 +305,55 @@ def test_filter_is_active_on_peaked_logits(device: str, gen: torch.Generator) ->
                 and torch.equal(filtered.grad_c, exact.grad_c)), "the filter skipped nothing"
 
 
+@pytest.mark.parametrize("grad_through_lse", [False, True], ids=["loss", "loss+lse"])
+def test_filter_correction_adds_back_the_dropped_mass(grad_through_lse: bool, device: str,
+                                                      gen: torch.Generator) -> None:
+    """A vector w added to every classifier row changes no softmax, so the exact dE moves by
+    (sum of the row of the logits' gradient) * w: 0 for the loss, the upstream gradient of the
+    lse for the lse. The paper's filter (filter_correction=False) misses the dropped entries'
+    share of that move, each row's dropped mass times w; filter_correction (the default) adds
+    that mass back along the mean classifier row, which moves by w too, so its dE moves
+    like the exact one. w is along a feature that every e leaves at 0, so that not even the
+    logits' rounding changes; float32, so that rounding does not hide the rest."""
+    inputs = make_peaked_inputs(gen, device, torch.float32)
+    inputs.e[:, -1] = 0.0
+    shift = torch.zeros(D, device=device)
+    shift[-1] = 8.0 * inputs.c.norm(dim=1).mean()
+    shifted = Inputs(inputs.e, inputs.c + shift, inputs.targets)
+    grad_output = make_grad_output(gen, inputs, "mean")
+    grad_lse = (torch.randn(N, generator=gen).to(device) * 0.1) if grad_through_lse else None
+    ref = run_reference(inputs, grad_output, grad_lse)
+    exact_move = run_reference(shifted, grad_output, grad_lse).grad_e - ref.grad_e
+
+    def drift(**options) -> float:
+        """How far dE's move under the shift is from the exact move, relative to dE."""
+        move = (run("cce", shifted, grad_output, grad_lse, **options).grad_e
+                - run("cce", inputs, grad_output, grad_lse, **options).grad_e)
+        return float((move.double() - exact_move).norm() / ref.grad_e.norm())
+
+    paper_drift = drift(filter_eps=2.0**-12, filter_correction=False)
+    corrected_drift = drift(filter_eps=2.0**-12)
+    assert paper_drift > 1e-4, "the paper's filter dropped too little for the test to tell"
+    # What is left is float32's precision of the kept mass, times w.
+    assert corrected_drift < paper_drift / 20, (corrected_drift, paper_drift)
+    # dC and the loss are the paper filter's.
+    paper = run("cce", shifted, grad_output, grad_lse, filter_eps=2.0**-12,
+                filter_correction=False)
+    corrected = run("cce", shifted, grad_output, grad_lse, filter_eps=2.0**-12)
+    assert torch.equal(corrected.grad_c, paper.grad_c)
+    assert torch.equal(corrected.loss, paper.loss)
+
+
+def test_filter_correction_is_off_with_softcap(device: str, gen: torch.Generator) -> None:
+    """With a softcap the gradient rows carry its derivative, so their sums say nothing about
+    the dropped mass: filter_correction changes nothing there."""
+    inputs = make_peaked_inputs(gen, device, torch.bfloat16)
+    grad_output = make_grad_output(gen, inputs, "mean")
+    default = run("cce", inputs, grad_output, softcap=30.0)
+    paper = run("cce", inputs, grad_output, softcap=30.0, filter_correction=False)
+    assert torch.equal(default.grad_e, paper.grad_e)
+
+
 # --- Non-finite inputs ------------------------------------------------------------------------
 
 

@@ -84,6 +84,7 @@ BAD_ARGUMENTS: "list[tuple[str, Change, tuple[str, ...]]]" = [
     ("softcap-negative", lambda a: a.update(softcap=-30.0), ("softcap",)),
     ("ignore_index-float", lambda a: a.update(ignore_index=-100.0), ("ignore_index",)),
     ("vocab_sorting-string", lambda a: a.update(vocab_sorting="yes"), ("vocab_sorting",)),
+    ("filter_correction-int", lambda a: a.update(filter_correction=1), ("filter_correction",)),
 ]
 
 
@@ -121,7 +122,8 @@ def test_out_of_range_target_poisons_the_loss_where_the_host_cannot_check(
 
 
 @pytest.mark.parametrize("option, value", [("reduction", "avg"), ("impl", "triton"),
-                                           ("shift", -1), ("filter_eps", 0.0)])
+                                           ("shift", -1), ("filter_eps", 0.0),
+                                           ("filter_correction", None)])
 def test_module_checks_options_when_constructed(option: str, value) -> None:
     """LinearCrossEntropy rejects a bad option at construction, naming it."""
     with pytest.raises(ValueError, match=names(option)):

@@ -67,6 +67,7 @@ def patch(
     impl: str = "cce",
     filter_eps: Union[float, Literal["auto"], None] = "auto",
     vocab_sorting: bool = True,
+    filter_correction: bool = True,
 ) -> PreTrainedModel:
     """Make ``model`` compute its loss with :func:`cce.linear_cross_entropy`, in place.
 
@@ -77,7 +78,8 @@ def patch(
     Args:
         model: a ``*ForCausalLM`` with a base model ``model.model`` and an ``nn.Linear``
             ``model.lm_head``.
-        impl, filter_eps, vocab_sorting: as in :func:`cce.linear_cross_entropy`.
+        impl, filter_eps, vocab_sorting, filter_correction: as in
+            :func:`cce.linear_cross_entropy`.
 
     Returns:
         ``model`` itself.
@@ -87,10 +89,12 @@ def patch(
     """
     _check_supported(model)
     # Builds nothing that is kept: it validates the options now rather than at the first step.
-    cce.LinearCrossEntropy(impl=impl, filter_eps=filter_eps, vocab_sorting=vocab_sorting)
+    options = dict(impl=impl, filter_eps=filter_eps, vocab_sorting=vocab_sorting,
+                   filter_correction=filter_correction)
+    cce.LinearCrossEntropy(**options)
     unpatch(model)
     model._cce_patch = _Patch(
-        options=dict(impl=impl, filter_eps=filter_eps, vocab_sorting=vocab_sorting),
+        options=options,
         instance_forward=model.__dict__.get("forward"),
     )
 
