@@ -49,7 +49,10 @@ class MassCorrection(NamedTuple):
     @classmethod
     def of(cls, c: torch.Tensor, prob_scale: torch.Tensor) -> "MassCorrection":
         """Before pass 1, which adds the kept mass up."""
-        return cls(torch.mean(c, dim=0, dtype=torch.float32), prob_scale,
+        # A matrix-vector product, not torch.mean: on a GPU, torch's reduction over the rows
+        # stages partial sums in buffers of 120-270 MB at these shapes (H200, measured).
+        row_sum = torch.mv(c.T, c.new_ones(c.shape[0]))
+        return cls(row_sum.float() / c.shape[0], prob_scale,
                    torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device))
 
 
