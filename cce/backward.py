@@ -17,8 +17,9 @@ block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
 
 Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; every gradient
 is accumulated in float32 on-chip and written once, without atomics, so the result is
-deterministic. Tiles that the forward's bounds prove negligible (``live_tiles``) are never
-recomputed; pass 1 records which tiles survive the exact filter, so pass 2 only recomputes those.
+deterministic (the filter correction's kept mass is added up atomically, but in integers).
+Tiles that the forward's bounds prove negligible (``live_tiles``) are never recomputed; pass 1
+records which tiles survive the exact filter, so pass 2 only recomputes those.
 """
 
 from __future__ import annotations

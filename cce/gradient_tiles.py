@@ -99,7 +99,8 @@ def gradient_tiles_kernel(
                                                      DOT_PRECISION), mask=row_mask[:, None])
             tl.store(flag_ptr, 1)
             if SUM_KEPT_MASS:
-                row_mass = tl.where(row_mass == row_mass, row_mass, 0.0)  # NaN rows stay NaN
+                # A NaN row's dE is NaN through its tiles; its mass must not reach the cast.
+                row_mass = tl.where(row_mass == row_mass, row_mass, 0.0)
                 tl.atomic_add(kept_mass_ptr + rows, (row_mass * KEPT_MASS_ONE).to(tl.int64),
                               mask=row_mask, sem="relaxed")
         else:

@@ -142,9 +142,9 @@ def test_one_frozen_input(frozen: str, device: str, gen: torch.Generator) -> Non
 
 
 def test_backward_is_deterministic(device: str, gen: torch.Generator) -> None:
-    """No atomics in the backward: two backward passes of one forward give bit-identical
-    gradients. (The forward's LSE merges under a lock in arrival order, so two forwards may
-    differ in the last bit.)"""
+    """The backward's only atomics add integers (the filter correction's kept mass, in fixed
+    point), so two backward passes of one forward give bit-identical gradients. (The forward's
+    LSE merges under a lock in arrival order, so two forwards may differ in the last bit.)"""
     vocab, dim = _shape(torch.bfloat16)
     inputs = make_inputs(gen, device, torch.bfloat16, shape=(N,), vocab=vocab, dim=dim)
     e = inputs.e.detach().requires_grad_()
