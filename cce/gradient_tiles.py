@@ -123,7 +123,7 @@ def gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Ten
     :func:`cce.vocab_order.target_positions`."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
-            programs=len(token_blocks) * len(vocab_blocks), kept_mass=kept_mass)
+            kept_mass=kept_mass)
 
 
 def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Tensor,
@@ -136,21 +136,22 @@ def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: to
     the token blocks to store; ``longest_list``: at least the longest of those lists), each in
     its slot; tiles the filter drops are stored as zeros."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
-            None, filter_eps, None, scratch, range(0), vocab_blocks,
-            programs=len(vocab_blocks) * longest_list, tile_lists=tile_lists,
+            None, filter_eps, None, scratch, range(0), vocab_blocks, tile_lists=tile_lists,
             longest_list=longest_list)
 
 
 def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
-            live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks, programs,
+            live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
             tile_lists: Optional[TileLists] = None, longest_list: int = 1,
             kept_mass: Optional[torch.Tensor] = None) -> None:
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
     grid, config = configs.live_grid, configs.gradient_tiles
+    listed = tile_lists is not None
+    # Pass 1: one program per tile of the chunk; pass 2: one per entry of each block's list.
+    programs = len(vocab_blocks) * (longest_list if listed else len(token_blocks))
     if programs == 0:
         return
-    listed = tile_lists is not None
     gradient_tiles_kernel[(programs,)](
         e, c, bias, target_positions, lse, prob_scale, target_scale, vocab_order, live_tiles,
         flags, kept_mass, scratch.buffer, scratch.pages,
