@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from cce.backward import linear_cross_entropy_backward
-from cce.config import interpreting, kernel_configs
+from cce.config import check_interpreter_usable, interpreting, kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.live_tiles import live_tiles
@@ -38,6 +38,17 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
     return ForwardResults(order, target_logit, lse, tile_bound)
 
 
+def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
+                    positions: torch.Tensor, dtype: torch.dtype,
+                    filter_eps: float) -> torch.Tensor:
+    """The table of the live-grid tiles that the backward recomputes (:func:`cce.live_tiles`):
+    those the forward's bounds cannot prove negligible. ``positions``: see
+    :func:`cce.vocab_order.target_positions`."""
+    grid = kernel_configs(dtype).live_grid
+    return live_tiles(tile_bound, lse, prob_scale, positions, grid.block_tokens,
+                      grid.block_vocab, filter_eps)
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Per-token loss and LSE, float32 (N,); targets are canonical (int64, -1 = ignored)."""
 
@@ -50,7 +61,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         order, target_logit, lse, tile_bound = forward_kernels(
             e, c, bias, targets, softcap, records_bounds=needs_grad and filter_eps is not None,
             vocab_sorting=vocab_sorting)
-        loss = torch.where(targets >= 0, lse - target_logit, 0.0)
+        # A row with an infinite logit has lse = +inf, and a NaN loss in PyTorch, whose
+        # log_softmax subtracts the row's maximum first (inf - inf).
+        token_loss = torch.where(lse == float("inf"), float("nan"), lse - target_logit)
+        loss = torch.where(targets >= 0, token_loss, 0.0)
         ctx.save_for_backward(e, c, bias, targets, lse, order, tile_bound)
         ctx.softcap = softcap
         ctx.filter_eps = filter_eps
@@ -66,9 +80,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         positions = target_positions(targets, order)
         live = None
         if tile_bound is not None:
-            grid = kernel_configs(e.dtype).live_grid
-            live = live_tiles(tile_bound, lse, prob_scale, positions, grid.block_tokens,
-                              grid.block_vocab, ctx.filter_eps)
+            live = recompute_table(tile_bound, lse, prob_scale, positions, e.dtype,
+                                   ctx.filter_eps)
         grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
             e, c, positions, bias, ctx.softcap, lse, prob_scale, target_scale, order, live,
             ctx.filter_eps, needs_grad_e=ctx.needs_input_grad[0],
@@ -81,6 +94,7 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
              bias: Optional[torch.Tensor], softcap: Optional[float],
              filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool):
     """Canonical-signature entry point (see :mod:`cce.loss`)."""
+    check_interpreter_usable()
     device = e.device
     if device.type == "cpu" and not interpreting():
         # Compiled Triton kernels need CUDA tensors: on a machine with a GPU, CPU inputs run

@@ -89,6 +89,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def check_interpreter_usable() -> None:
+    """Raise when the interpreter is on but cannot run cce's kernels: Triton was imported before
+    ``cce`` turned it on (``cce/__init__.py``), so Triton's own language functions (``tl.max``,
+    ``tl.sum``, ...) were built for a GPU, and every kernel would stop on them with an error
+    that does not say why."""
+    if interpreting() and not _triton_language_interpreted():
+        raise RuntimeError(
+            "cce runs its kernels in Triton's CPU interpreter here (no CUDA device), but triton "
+            "was imported before cce without TRITON_INTERPRET=1, so its language functions "
+            "cannot run in the interpreter. Import cce before anything that imports triton, or "
+            "set TRITON_INTERPRET=1 in the environment. (impl='torch' works either way.)")
+
+
+@functools.cache
+def _triton_language_interpreted() -> bool:
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.max, InterpretedFunction)
+
+
 def kernel_configs(dtype: torch.dtype) -> KernelConfigs:
     if interpreting():
         return _INTERPRETER

@@ -33,6 +33,12 @@ KEPT_MASS_UNIT = tl.constexpr(2.0**-62)
 
 
 @triton.jit
+def store_tile(scratch_ptr, offsets, grad, row_mask, DOT_PRECISION: tl.constexpr):
+    tl.store(scratch_ptr + offsets, round_to(grad, scratch_ptr.dtype.element_ty, DOT_PRECISION),
+             mask=row_mask[:, None])
+
+
+@triton.jit
 def gradient_tiles_kernel(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
     vocab_order_ptr, live_tiles_ptr, flags_ptr, kept_mass_ptr, scratch_ptr, pages_ptr,
@@ -91,12 +97,9 @@ def gradient_tiles_kernel(
         )
         if LISTED:
             # Every listed tile is read by the product: one the filter drops reads as zeros.
-            grad = tl.where(keep, grad, 0.0)
-            tl.store(scratch_ptr + offsets, round_to(grad, scratch_ptr.dtype.element_ty,
-                                                     DOT_PRECISION), mask=row_mask[:, None])
+            store_tile(scratch_ptr, offsets, tl.where(keep, grad, 0.0), row_mask, DOT_PRECISION)
         elif keep:
-            tl.store(scratch_ptr + offsets, round_to(grad, scratch_ptr.dtype.element_ty,
-                                                     DOT_PRECISION), mask=row_mask[:, None])
+            store_tile(scratch_ptr, offsets, grad, row_mask, DOT_PRECISION)
             tl.store(flag_ptr, 1)
             if SUM_KEPT_MASS:
                 # A NaN row's dE is NaN through its tiles; its mass must not reach the cast.

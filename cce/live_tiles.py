@@ -31,8 +31,8 @@ def live_tiles_kernel(tile_bound_ptr, lse_ptr, prob_scale_ptr, target_positions_
     prob_scale = tl.load(prob_scale_ptr + rows, mask=row_mask, other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     # Rows the bounds do not cover keep the block's whole row live: ignored tokens whose
-    # probabilities carry a gradient (through the returned LSE), and NaN LSEs.
-    uncovered = ((positions < 0) & (prob_scale != 0)) | (lse != lse)
+    # probabilities carry a gradient (through the returned LSE), and LSEs that are not finite.
+    uncovered = ((positions < 0) & (prob_scale != 0)) | (lse - lse != 0)
     any_uncovered = tl.max(uncovered.to(tl.int32), axis=0) != 0
 
     table_row = live_ptr + token_block.to(tl.int64) * num_vocab_blocks
@@ -60,7 +60,7 @@ def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Te
     so ignored tokens (a masked prompt) do not keep tiles live. An ignored token whose
     probabilities do carry a gradient (through the returned LSE, ``prob_scale != 0``) is not
     covered: its whole token block stays live. Tiles that hold a token's target are always live
-    (their gradient has the -1 of the target). A NaN bound or LSE keeps the tile live, so NaN
+    (their gradient has the -1 of the target). A NaN bound or a non-finite LSE keeps the tile live, so NaN
     inputs still reach the gradients. ``target_positions``: from
     :func:`cce.vocab_order.target_positions`.
     """

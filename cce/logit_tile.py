@@ -118,8 +118,10 @@ def logit_gradient_tile(
 
     # Every operation per entry counts here (the tile's products are short at small D): rows
     # without a softmax gradient get an infinite LSE instead of a select per entry, so that
-    # their probabilities are 0 (NaN where their logits are, as in PyTorch).
-    scaled_lse = tl.where(prob_scale != 0.0, lse, float("inf")) * LOG2_E
+    # their probabilities are 0 (NaN where their logits are, as in PyTorch). A row whose LSE is
+    # +inf (an infinite logit) gets NaN probabilities, as torch.softmax gives it.
+    row_lse = tl.where(lse == float("inf"), float("nan"), lse)
+    scaled_lse = tl.where(prob_scale != 0.0, row_lse, float("inf")) * LOG2_E
     # exp(z - lse) as exp2(z * log2(e) - lse * log2(e)): one fused multiply-add per entry.
     probs = tl.exp2(logits * LOG2_E - scaled_lse[:, None])
     if holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):

@@ -32,8 +32,9 @@ from cce.logit_tile import LOG2_E, holds_padding, logit_tile, vocab_block_entrie
 @triton.jit
 def log_add_exp(a, b):
     top = tl.maximum(a, b)
-    # -inf on both sides would give -inf - -inf = nan; NaN inputs still propagate through the sum.
-    safe_top = tl.where(top == float("-inf"), 0.0, top)
+    # An infinite top would give inf - inf = nan: -inf on both sides is -inf, and +inf on either
+    # is +inf, as in torch.logsumexp. NaN inputs still propagate through the sum.
+    safe_top = tl.where(tl.abs(top) == float("inf"), 0.0, top)
     return safe_top + tl.log(tl.exp(a - safe_top) + tl.exp(b - safe_top))
 
 
@@ -97,7 +98,7 @@ def lse_forward_kernel(
             tile_row_max = tl.max(logits, axis=1)
             left_row_max = tile_row_max  # the only live-grid tile when RECORDS_PER_TILE == 1
         new_max = tl.maximum(running_max, tile_row_max)
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        safe_max = tl.where(tl.abs(new_max) == float("inf"), 0.0, new_max)  # see log_add_exp
         # exp(z - m) as exp2(z * log2(e) - m * log2(e)): one fused multiply-add per entry
         # (exp costs more: 12% of the kernel at D = 640 on an H200, NOTES.md).
         scaled_max = safe_max * LOG2_E
@@ -120,7 +121,7 @@ def lse_forward_kernel(
                 if vocab_block * 2 + 1 < num_live_vocab_blocks:
                     tl.store(tile_bound_ptr + record + 1,
                              log_probability_bound(right_row_max, lse_lower, recorded_rows))
-    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+    safe_max = tl.where(tl.abs(running_max) == float("inf"), 0.0, running_max)
     program_lse = safe_max + tl.log(running_sum)
 
     lock = locks_ptr + token_block

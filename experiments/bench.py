@@ -38,10 +38,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 import cce
-from cce.cce_function import forward_kernels
-from cce.config import kernel_configs
+from cce.cce_function import forward_kernels, recompute_table
 from cce.loss import default_filter_eps
-from cce.live_tiles import live_tiles
 from cce.vocab_order import target_positions
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
@@ -443,10 +441,8 @@ def cce_table_fraction(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) 
     with torch.no_grad():
         order, _, lse, tile_bound = forward_kernels(e, c, None, targets, None,
                                                     records_bounds=True, vocab_sorting=True)
-        grid = kernel_configs(e.dtype).live_grid
-        table = live_tiles(tile_bound, lse, (targets >= 0).float(),
-                           target_positions(targets, order), grid.block_tokens,
-                           grid.block_vocab, eps)
+        table = recompute_table(tile_bound, lse, (targets >= 0).float(),
+                                target_positions(targets, order), e.dtype, eps)
     return float(table.ne(0).float().mean())
 
 

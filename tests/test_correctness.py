@@ -357,27 +357,35 @@ def test_filter_correction_is_off_with_softcap(device: str, gen: torch.Generator
 # --- Non-finite inputs ------------------------------------------------------------------------
 
 
+def _same_non_finite(x: torch.Tensor, expected: torch.Tensor) -> bool:
+    """NaN, +inf and -inf at the same places."""
+    return all(torch.equal(test(x), test(expected))
+               for test in (torch.isnan, torch.isposinf, torch.isneginf))
+
+
 @pytest.mark.parametrize("dtype, bad_value",
-                         [(torch.float32, math.nan), (torch.bfloat16, math.inf)],
-                         ids=["fp32-nan", "bf16-inf"])
+                         [(torch.float32, math.nan), (torch.bfloat16, math.inf),
+                          (torch.float32, -math.inf)],
+                         ids=["fp32-nan", "bf16-inf", "fp32-minus-inf"])
 @pytest.mark.parametrize("impl", OPTION_IMPLS)
 def test_non_finite_rows_propagate_like_pytorch(impl: str, dtype: torch.dtype,
                                                 bad_value: float, device: str,
                                                 gen: torch.Generator) -> None:
-    """A NaN/inf in one row of e makes that row's loss NaN (as in PyTorch) and its lse
-    non-finite; the other rows' loss, lse and dE are unaffected."""
+    """A NaN or infinite entry in one row of e: the loss, lse and gradients are NaN or infinite
+    exactly where PyTorch's are (an infinite logit: lse +inf, loss NaN; the row's NaN gradient
+    reaches every row of dC), and the other rows' loss, lse and dE are unaffected."""
     inputs = make_inputs(gen, device, dtype, ignored_fraction=0.0)
     bad_row = 5
     inputs.e[bad_row, 3] = bad_value
     grad_output = make_grad_output(gen, inputs, "none")
     result = run(impl, inputs, grad_output, reduction="none")
-    torch_result = run("torch", inputs, grad_output, reduction="none")
+    torch_result = run("torch", inputs, grad_output, reduction="none")  # what PyTorch does
 
     bad = torch.zeros(N, dtype=torch.bool, device=device)
     bad[bad_row] = True
-    assert torch.equal(torch.isnan(torch_result.loss), bad)  # what PyTorch does
-    assert torch.equal(torch.isnan(result.loss), bad)
-    assert torch.equal(~torch.isfinite(result.lse), bad)
+    assert torch.equal(torch.isnan(torch_result.loss), bad)
+    for name in ("loss", "lse", "grad_e", "grad_c"):
+        assert _same_non_finite(getattr(result, name), getattr(torch_result, name)), name
 
     good_inputs = Inputs(inputs.e[~bad], inputs.c, inputs.targets[~bad])
     ref = run_reference(good_inputs, grad_output[~bad], reduction="none")

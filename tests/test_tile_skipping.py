@@ -139,15 +139,15 @@ def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: s
 
 def test_live_tiles_table_is_the_bounds_verdict(gen: torch.Generator, device: str) -> None:
     """1 exactly where the bound is not below log(eps) (NaN included), the tile holds a target,
-    or the token block has a row the bounds do not cover (an ignored row with a gradient, or a
-    NaN LSE); 0 elsewhere. Bounds around the threshold, partial last token block, a bound table
+    or the token block has a row the bounds do not cover (an ignored row with a gradient, or an
+    LSE that is NaN or infinite); 0 elsewhere. Bounds around the threshold, partial last token block, a bound table
     that is a view of part of a wider one."""
     block_tokens, block_vocab = 4, 8
-    num_tokens, num_vocab_blocks = 4 * block_tokens - 1, 37
+    num_tokens, num_vocab_blocks = 5 * block_tokens - 1, 37
     log_eps = math.log(EPS)
-    bound = log_eps + torch.randn(4, num_vocab_blocks, generator=gen, dtype=torch.float64)
+    bound = log_eps + torch.randn(5, num_vocab_blocks, generator=gen, dtype=torch.float64)
     bound = bound.float()
-    bound[3, 3] = float("nan")
+    bound[4, 3] = float("nan")
     bound[1, :5] = log_eps  # exactly at the threshold: live
     positions = torch.randint(0, num_vocab_blocks * block_vocab, (num_tokens,), generator=gen,
                               dtype=torch.int32)
@@ -157,20 +157,21 @@ def test_live_tiles_table_is_the_bounds_verdict(gen: torch.Generator, device: st
     scale[1] = 0.5  # ignored with a gradient (through the LSE): block 0 is not covered
     lse = torch.zeros(num_tokens)
     lse[9] = float("nan")  # block 2 is not covered
+    lse[13] = float("inf")  # nor is block 3 (an infinite logit)
 
     expected = bound >= torch.tensor(log_eps, dtype=torch.float32)  # compared in float32
     expected |= bound.isnan()
-    expected[[0, 2]] = True
+    expected[[0, 2, 3]] = True
     for token in range(num_tokens):
         if positions[token] >= 0:
             expected[token // block_tokens, positions[token] // block_vocab] = True
-    wider = torch.full((4, num_vocab_blocks + 3), float("nan"))  # a view of part of the rows
+    wider = torch.full((5, num_vocab_blocks + 3), float("nan"))  # a view of part of the rows
     wider[:, :num_vocab_blocks] = bound
     live = live_tiles(wider.to(device)[:, :num_vocab_blocks], lse.to(device), scale.to(device),
                       positions.to(device), block_tokens, block_vocab, EPS)
     assert live.dtype == torch.int32
     assert torch.equal(live.cpu(), expected.to(torch.int32))
-    assert 0 < int(live[3].sum()) < num_vocab_blocks, "the test needs live and dead tiles"
+    assert 0 < int(live[4].sum()) < num_vocab_blocks, "the test needs live and dead tiles"
 
 
 def _one_token_block_with_one_target(gen: torch.Generator, device: str):
