@@ -2,7 +2,8 @@
 
 On a machine without CUDA the kernels run in Triton's interpreter; on a machine with a GPU the
 inputs are computed there and the loss and gradients come back to the CPU. The same test covers
-whichever path the machine takes.
+whichever path the machine takes. Where the interpreter cannot run the kernels (Triton imported
+before cce), the call says why.
 """
 
 from __future__ import annotations

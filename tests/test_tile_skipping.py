@@ -140,8 +140,8 @@ def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: s
 def test_live_tiles_table_is_the_bounds_verdict(gen: torch.Generator, device: str) -> None:
     """1 exactly where the bound is not below log(eps) (NaN included), the tile holds a target,
     or the token block has a row the bounds do not cover (an ignored row with a gradient, or an
-    LSE that is NaN or infinite); 0 elsewhere. Bounds around the threshold, partial last token block, a bound table
-    that is a view of part of a wider one."""
+    LSE that is NaN or infinite); 0 elsewhere. Bounds around the threshold, partial last token
+    block, a bound table that is a view of part of a wider one."""
     block_tokens, block_vocab = 4, 8
     num_tokens, num_vocab_blocks = 5 * block_tokens - 1, 37
     log_eps = math.log(EPS)
