@@ -30,12 +30,17 @@ from cce.logit_tile import LOG2_E, holds_padding, logit_tile, vocab_block_entrie
 
 
 @triton.jit
+def exp_shift(maximum):
+    """What a log-sum-exp subtracts before exp: the maximum, or 0 where it is infinite (inf - inf
+    would be NaN). So all -inf gives -inf, and a +inf anywhere gives +inf, as in
+    torch.logsumexp; NaN inputs still propagate through the sum."""
+    return tl.where(tl.abs(maximum) == float("inf"), 0.0, maximum)
+
+
+@triton.jit
 def log_add_exp(a, b):
-    top = tl.maximum(a, b)
-    # An infinite top would give inf - inf = nan: -inf on both sides is -inf, and +inf on either
-    # is +inf, as in torch.logsumexp. NaN inputs still propagate through the sum.
-    safe_top = tl.where(tl.abs(top) == float("inf"), 0.0, top)
-    return safe_top + tl.log(tl.exp(a - safe_top) + tl.exp(b - safe_top))
+    shift = exp_shift(tl.maximum(a, b))
+    return shift + tl.log(tl.exp(a - shift) + tl.exp(b - shift))
 
 
 @triton.jit
@@ -98,7 +103,7 @@ def lse_forward_kernel(
             tile_row_max = tl.max(logits, axis=1)
             left_row_max = tile_row_max  # the only live-grid tile when RECORDS_PER_TILE == 1
         new_max = tl.maximum(running_max, tile_row_max)
-        safe_max = tl.where(tl.abs(new_max) == float("inf"), 0.0, new_max)  # see log_add_exp
+        safe_max = exp_shift(new_max)
         # exp(z - m) as exp2(z * log2(e) - m * log2(e)): one fused multiply-add per entry
         # (exp costs more: 12% of the kernel at D = 640 on an H200, NOTES.md).
         scaled_max = safe_max * LOG2_E
@@ -121,7 +126,7 @@ def lse_forward_kernel(
                 if vocab_block * 2 + 1 < num_live_vocab_blocks:
                     tl.store(tile_bound_ptr + record + 1,
                              log_probability_bound(right_row_max, lse_lower, recorded_rows))
-    safe_max = tl.where(tl.abs(running_max) == float("inf"), 0.0, running_max)
+    safe_max = exp_shift(running_max)
     program_lse = safe_max + tl.log(running_sum)
 
     lock = locks_ptr + token_block
