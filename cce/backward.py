@@ -13,7 +13,9 @@ block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
    fills up; once not even one block's tiles fit, the rest of the vocabulary goes through a small
    spare buffer. Sizing the chunks takes one host sync (the tiles per vocabulary block); the
    lists of every chunk's tiles are built before it, in one launch, so that after it the host
-   queues only two kernels per chunk while the GPU waits.
+   queues only two kernels per chunk while the GPU waits. Where the host must not wait (CUDA
+   graph capture, torch.compile, ``torch.cuda.set_sync_debug_mode``), the chunks are sized for
+   every tile being stored instead: no sync, narrower chunks.
 
 Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; every gradient
 is accumulated in float32 on-chip and written once, without atomics, so the result is
@@ -90,8 +92,7 @@ def linear_cross_entropy_backward(
         if listed is None:
             listed = torch.ones_like(flags)
         tile_lists = TileLists.of(listed.T)
-        # One host sync: how many tiles each vocabulary block stores sets the chunks' widths.
-        tiles_per_block = tile_lists.counts.cpu().numpy()
+        tiles_per_block = _tiles_per_vocab_block(tile_lists, num_token_blocks)
         tile_bytes = grid.block_tokens * grid.block_vocab * c.element_size()
         spare_tiles = max(spare_scratch_bytes() // tile_bytes, int(tiles_per_block.max()))
         # Vocabulary positions -> rows of dC: the free rows are those of later positions.
@@ -119,6 +120,26 @@ def linear_cross_entropy_backward(
             gradient_times_classifier(scratch, chunk_lists, e, vocab_order, grad_c, grad_bias,
                                       vocab_blocks)
     return grad_e, grad_c, grad_bias
+
+
+def host_may_sync(device: torch.device) -> bool:
+    """Whether the host may wait for the GPU here: not while a CUDA graph is being captured,
+    not inside torch.compile's tracing, and not when the caller asked torch to flag every sync
+    (``torch.cuda.set_sync_debug_mode``)."""
+    if device.type != "cuda":
+        return True
+    return not (torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()
+                or torch.cuda.get_sync_debug_mode() != 0)
+
+
+def _tiles_per_vocab_block(tile_lists: TileLists, num_token_blocks: int) -> np.ndarray:
+    """How many tiles each vocabulary block stores in pass 2, which sets the chunks' widths:
+    read from the GPU (one host sync) when the host may wait; otherwise the bound known in
+    advance, every token block, so that the schedule needs nothing from the GPU (CUDA graphs)
+    at the cost of narrower chunks and idle programs."""
+    if host_may_sync(tile_lists.counts.device):
+        return tile_lists.counts.cpu().numpy()
+    return np.full(tile_lists.counts.shape[0], num_token_blocks, dtype=np.int64)
 
 
 def _embeddings_pass_scratch(grad_c: Optional[torch.Tensor], e: torch.Tensor,

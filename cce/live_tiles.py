@@ -17,6 +17,10 @@ import triton.language as tl
 
 # Table entries written per step of a program's row.
 _BLOCK_COLUMNS = 1024
+# The bounds come from the forward's logits, the backward's exact filter from recomputed ones,
+# which can differ in their last bits: a tile within this margin (natural log) of the threshold
+# is left for the exact filter to judge, so skipping tiles unseen never changes the result.
+_ROUNDING_MARGIN = 2.0**-7
 
 
 @triton.jit
@@ -72,6 +76,6 @@ def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Te
         live_tiles_kernel[(num_token_blocks,)](
             tile_bound.contiguous(), lse.contiguous(), prob_scale.float().contiguous(),
             target_positions.contiguous(), live, lse.shape[0],
-            num_vocab_blocks, math.log(filter_eps), BLOCK_TOKENS=block_tokens,
+            num_vocab_blocks, math.log(filter_eps) - _ROUNDING_MARGIN, BLOCK_TOKENS=block_tokens,
             BLOCK_VOCAB=block_vocab, BLOCK_COLUMNS=_BLOCK_COLUMNS)
     return live

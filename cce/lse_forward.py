@@ -52,11 +52,11 @@ def log_probability_bound(row_max, lse_lower, recorded_rows):
 @triton.jit
 def lse_forward_kernel(
     e_ptr, c_ptr, bias_ptr, targets_ptr, target_logit_ptr, vocab_order_ptr, lse_ptr, locks_ptr,
-    tile_bound_ptr,
+    tile_bound_ptr, split_lse_ptr,
     num_tokens, vocab_size, dim, vocab_blocks_per_program,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
-    RECORD_TILE_BOUND: tl.constexpr, LIVE_BLOCK_VOCAB: tl.constexpr,
+    RECORD_TILE_BOUND: tl.constexpr, LIVE_BLOCK_VOCAB: tl.constexpr, DETERMINISTIC: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -129,6 +129,11 @@ def lse_forward_kernel(
     safe_max = exp_shift(running_max)
     program_lse = safe_max + tl.log(running_sum)
 
+    if DETERMINISTIC:
+        # The returned LSE: each program's partial, merged in a fixed order afterwards. The
+        # locked merge below then only serves the bounds of programs still running.
+        split = tl.program_id(0) // num_token_blocks
+        tl.store(split_lse_ptr + split * num_tokens + rows, program_lse, mask=row_mask)
     lock = locks_ptr + token_block
     while tl.atomic_cas(lock, 0, 1) == 1:
         pass
@@ -142,12 +147,18 @@ def lse_forward_kernel(
 def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 softcap: Optional[float], targets: torch.Tensor,
                 vocab_order: Optional[torch.Tensor],
-                target_logit: Optional[torch.Tensor] = None,
+                target_logit: Optional[torch.Tensor] = None, deterministic: bool = False,
                 ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
     """float32 (N,) log-sum-exp of every row and, when ``target_logit`` (float32 (N,), from
     :func:`cce.indexed_dot.indexed_dot`) is given, the float32 table of log-probability bounds
     of the live-tile grid (in ``vocab_order``): every softmax entry of a tile on a non-ignored
-    row (``targets >= 0``) is at most exp(its bound); -inf where a tile has no such row."""
+    row (``targets >= 0``) is at most exp(its bound); -inf where a tile has no such row.
+
+    ``deterministic``: the spin-lock merge's order varies between calls, and with it the LSE's
+    last bits; instead, the returned LSE merges every program's partial LSE in a fixed order
+    afterwards (bitwise reproducible on one device, one more small launch). The bounds still
+    read the locked merge: they only decide which tiles the backward recomputes before its
+    exact filter, never the result (:func:`cce.live_tiles.live_tiles`)."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     configs = kernel_configs(e.dtype)
@@ -161,17 +172,21 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
 
     lse = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=e.device)
     locks = torch.zeros(num_token_blocks, dtype=torch.int32, device=e.device)
+    split_lse = (torch.empty((splits, num_tokens), dtype=torch.float32, device=e.device)
+                 if deterministic else None)
     tile_bound = (torch.empty((num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab)),
                               dtype=torch.float32, device=e.device) if record else None)
     lse_forward_kernel[(num_token_blocks * splits,)](
-        e, c, bias, targets, target_logit, vocab_order, lse, locks, tile_bound,
+        e, c, bias, targets, target_logit, vocab_order, lse, locks, tile_bound, split_lse,
         num_tokens, vocab_size, dim, vocab_blocks_per_program,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
         SORTED=vocab_order is not None, RECORD_TILE_BOUND=record,
-        LIVE_BLOCK_VOCAB=live_grid.block_vocab,
+        LIVE_BLOCK_VOCAB=live_grid.block_vocab, DETERMINISTIC=deterministic,
         BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if deterministic:
+        lse = torch.logsumexp(split_lse, dim=0)
     return lse, tile_bound

@@ -23,7 +23,8 @@ def vocab_order(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     average_logit = torch.mv(c, mean_embedding)
     if bias is not None:
         average_logit = average_logit + bias * valid.sum()
-    return torch.argsort(average_logit.float(), descending=True).to(torch.int32)
+    # Stable: equal average logits (tied or repeated classifier rows) keep one order every call.
+    return torch.argsort(average_logit.float(), descending=True, stable=True).to(torch.int32)
 
 
 def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,267 @@
+"""Roofline of cce's kernels: each step's time, its throughput and its ratio to cuBLAS on the
+same amount of work, at the benchmark's shapes (``python -m experiments.roofline``).
+
+One forward+backward call (bf16, filter and sorting, the defaults) is traced step by step with
+CUDA events recorded around each of cce's launchers, so the steps add up to the call. Work:
+
+- matrix steps (the forward's log-sum-exp, the backward's recomputes and products) in FLOPs:
+  ``2 * 128 * 128 * D`` per live-grid tile they touch. Their "cuBLAS" column is the time
+  cuBLAS takes for the same number of FLOPs, at the rate it reaches on the matching dense
+  product of the same shape (logits ``E C^T``, ``dE = G C`` and ``dC = G^T E``);
+- the other steps by the bytes they must move, against a device-to-device copy's bandwidth.
+
+Per shape it also gives forward and forward+backward in units of one ``E C^T`` GEMM, next to
+the ideals for the fraction ``f`` of tiles recomputed: ``1 + 4f`` (each live tile recomputed
+twice, today's structure) and ``1 + 3f`` (once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import inspect
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+import cce
+import cce.backward
+import cce.cce_function
+from cce.config import kernel_configs
+from experiments.harness import ON_GPU, WrittenResults, add_sections, progress, write_results
+from experiments.synthetic import lm_like_inputs
+
+# (name, description, N, V, D): the benchmark's synthetic shapes.
+SHAPES = (
+    ("gemma3", "Gemma 3 270M shape", 8192, 262144, 640),
+    ("gemma2_2b", "Gemma 2 2B shape", 8192, 256000, 2304),
+    ("llama3_8b", "Llama 3 8B shape", 8192, 128256, 4096),
+    ("phi3_5_mini", "Phi 3.5 mini shape", 8192, 32064, 3072),
+)
+QUICK_SHAPES = (("quick", "tiny (CPU smoke test)", 96, 1000, 72),)
+
+# The launchers traced: (module, attribute, step name, kind of work).
+STEPS = (
+    (cce.cce_function, "vocab_order", "vocabulary order", "bytes"),
+    (cce.cce_function, "indexed_dot", "target logits (indexed dot)", "bytes"),
+    (cce.cce_function, "lse_forward", "log-sum-exp forward", "logits"),
+    (cce.cce_function, "recompute_table", "table of tiles to recompute", "bytes"),
+    (cce.backward, "gradient_tiles", "pass 1 recompute (dE)", "recompute"),
+    (cce.backward, "gradient_times_embeddings", "pass 1 product dE = G C", "dE"),
+    (cce.backward, "listed_gradient_tiles", "pass 2 recompute (dC)", "stored"),
+    (cce.backward, "gradient_times_classifier", "pass 2 product dC = G^T E", "dC"),
+)
+
+
+class StepTimer:
+    """CUDA events around every call of the traced launchers; nothing is synchronized until
+    :meth:`elapsed_ms` reads them."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.arguments: dict[str, list[inspect.BoundArguments]] = defaultdict(list)
+
+    def wrap(self, step: str, launcher: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(launcher)
+
+        @functools.wraps(launcher)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = launcher(*args, **kwargs)
+            end.record()
+            self.events.append((step, start, end))
+            self.arguments[step].append(signature.bind(*args, **kwargs))
+            return result
+
+        return traced
+
+    def elapsed_ms(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        totals: dict[str, float] = defaultdict(float)
+        for step, start, end in self.events:
+            totals[step] += start.elapsed_time(end)
+        return dict(totals)
+
+
+@contextlib.contextmanager
+def traced_steps(timer: StepTimer) -> Iterator[None]:
+    originals = [(module, attribute, getattr(module, attribute)) for module, attribute, _, _
+                 in STEPS]
+    try:
+        for (module, attribute, original), (_, _, step, _) in zip(originals, STEPS):
+            setattr(module, attribute, timer.wrap(step, original))
+        yield
+    finally:
+        for module, attribute, original in originals:
+            setattr(module, attribute, original)
+
+
+def median_ms(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(warmup: int, repeats: int) -> float:
+    """Bytes read plus bytes written per second by a 2 GiB device-to-device copy."""
+    source = torch.randn(2**29, device="cuda")
+    target = torch.empty_like(source)
+    ms = median_ms(lambda: target.copy_(source), warmup, repeats)
+    return 2 * source.numel() * source.element_size() / ms / 1e6
+
+
+def cublas_tflops(n: int, v: int, d: int, warmup: int, repeats: int) -> dict[str, float]:
+    """cuBLAS's rate on the three dense products of the shape, bf16 operands."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    e = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=generator)
+    c = torch.randn(v, d, device="cuda", dtype=torch.bfloat16, generator=generator)
+    g = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=generator)
+    flops = 2 * n * v * d
+    rates = {
+        "logits": flops / median_ms(lambda: e @ c.T, warmup, repeats) / 1e9,
+        "dE": flops / median_ms(lambda: g @ c, warmup, repeats) / 1e9,
+        "dC": flops / median_ms(lambda: g.T @ e, warmup, repeats) / 1e9,
+    }
+    del e, c, g
+    torch.cuda.empty_cache()
+    return rates
+
+
+def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: int,
+                  repeats: int, bandwidth_gbs: float) -> tuple[list[dict[str, Any]],
+                                                            dict[str, Any]]:
+    rates = cublas_tflops(n, v, d, warmup, repeats)
+    gemm_ms = 2 * n * v * d / rates["logits"] / 1e9
+    e, c, targets = lm_like_inputs(n, v, d, seed=1, device="cuda")
+
+    def forward_backward() -> None:
+        e.grad = c.grad = None
+        cce.linear_cross_entropy(e, c, targets).backward()
+
+    def forward() -> None:
+        with torch.no_grad():
+            cce.linear_cross_entropy(e, c, targets)
+
+    total_ms = median_ms(forward_backward, warmup, repeats)
+    forward_ms = median_ms(forward, warmup, repeats)
+
+    step_ms: dict[str, list[float]] = defaultdict(list)
+    timer = StepTimer()
+    for _ in range(warmup + repeats):
+        timer = StepTimer()
+        with traced_steps(timer):
+            forward_backward()
+        for step, ms in timer.elapsed_ms().items():
+            step_ms[step].append(ms)
+    medians = {step: statistics.median(times[warmup:]) for step, times in step_ms.items()}
+
+    grid = kernel_configs(e.dtype).live_grid
+    tile_flops = 2 * grid.block_tokens * grid.block_vocab * d
+    all_tiles = -(-n // grid.block_tokens) * -(-v // grid.block_vocab)
+    table = timer.arguments["pass 1 recompute (dE)"][0].arguments["live_tiles"]
+    flags = timer.arguments["pass 1 recompute (dE)"][0].arguments["flags"]
+    recomputed = int((table != 0).sum()) if table is not None else all_tiles
+    stored = int(flags.sum())
+    tiles = {"logits": all_tiles, "recompute": recomputed, "dE": stored, "stored": stored,
+             "dC": stored}
+    element = e.element_size()
+    moved_bytes = {
+        "vocabulary order": (v * d + n * d) * element + v * 8,
+        "target logits (indexed dot)": 2 * n * d * element,
+        "table of tiles to recompute": all_tiles * 8,
+    }
+    reference_rate = {"logits": "logits", "recompute": "logits", "stored": "logits",
+                      "dE": "dE", "dC": "dC"}
+
+    rows = []
+    for _, _, step, work in STEPS:
+        ms = medians.get(step)
+        if ms is None:
+            continue
+        row: dict[str, Any] = {"shape": description, "step": step, "ms": ms,
+                               "share of fwd+bwd": ms / total_ms}
+        if work == "bytes":
+            row["GB/s"] = moved_bytes[step] / ms / 1e6
+            row["of copy bandwidth"] = row["GB/s"] / bandwidth_gbs
+        else:
+            flops = tiles[work] * tile_flops
+            row["tiles"] = tiles[work]
+            row["TFLOP/s"] = flops / ms / 1e9
+            row["cuBLAS ms, same work"] = flops / rates[reference_rate[work]] / 1e9
+            row["of cuBLAS"] = row["TFLOP/s"] / rates[reference_rate[work]]
+        rows.append(row)
+    traced = sum(medians.values())
+    rows.append({"shape": description, "step": "everything else (PyTorch ops, gaps)",
+                 "ms": max(total_ms - traced, 0.0),
+                 "share of fwd+bwd": max(total_ms - traced, 0.0) / total_ms})
+
+    f = recomputed / all_tiles
+    summary = {
+        "shape": description, "N": n, "V": v, "D": d, "GEMM ms": gemm_ms,
+        "cuBLAS TFLOP/s (logits, dE, dC)": [rates["logits"], rates["dE"], rates["dC"]],
+        "forward ms": forward_ms, "forward GEMMs": forward_ms / gemm_ms,
+        "fwd+bwd ms": total_ms, "fwd+bwd GEMMs": total_ms / gemm_ms,
+        "recomputed fraction f": f, "stored fraction": stored / all_tiles,
+        "ideal 1+4f": 1 + 4 * f, "ideal 1+3f": 1 + 3 * f,
+    }
+    del e, c, targets
+    torch.cuda.empty_cache()
+    return rows, summary
+
+
+def run(quick: bool, out_dir: Path, repeats: Optional[int] = None) -> WrittenResults:
+    if not ON_GPU:
+        raise SystemExit("experiments.roofline needs a CUDA device (it times GPU kernels)")
+    shapes = QUICK_SHAPES if quick else SHAPES
+    repeats = repeats or 10
+    warmup = 3
+    bandwidth = copy_bandwidth_gbs(warmup, repeats)
+    rows, summaries = [], []
+    for name, description, n, v, d in progress(shapes, "roofline"):
+        shape_rows, summary = measure_shape(name, description, n, v, d, warmup, repeats,
+                                            bandwidth)
+        rows += shape_rows
+        summaries.append(summary)
+    meta = {"dtype": "bfloat16", "options": "defaults (filter 2^-12, sorting, correction)",
+            "inputs": "experiments.synthetic.lm_like_inputs (seed 1)",
+            "copy bandwidth GB/s (read + write)": bandwidth,
+            "timing": f"CUDA events, median of {repeats} after {warmup} warm-up calls"}
+    written = write_results("roofline", rows, meta, out_dir, group_by="shape")
+    lines = ["## Forward and forward+backward in GEMM units", "",
+             "| shape | GEMM ms | forward | fwd+bwd | f | ideal 1+4f | ideal 1+3f |",
+             "|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        lines.append(f"| {s['shape']} | {s['GEMM ms']:.2f} | {s['forward ms']:.2f} ms = "
+                     f"{s['forward GEMMs']:.2f} | {s['fwd+bwd ms']:.2f} ms = "
+                     f"{s['fwd+bwd GEMMs']:.2f} | {s['recomputed fraction f']:.3f} | "
+                     f"{s['ideal 1+4f']:.2f} | {s['ideal 1+3f']:.2f} |")
+    return add_sections(written, {"summary": summaries}, lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m experiments.roofline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one tiny shape")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    written = run(args.quick, args.out, args.repeats)
+    print(written.markdown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
