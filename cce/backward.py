@@ -48,13 +48,15 @@ def linear_cross_entropy_backward(
     prob_scale: torch.Tensor,
     target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
     live_tiles: Optional[torch.Tensor], filter_eps: Optional[float], needs_grad_e: bool,
-    needs_grad_c: bool, mass_correction: bool = False,
+    needs_grad_c: bool, mass_correction: bool = False, keep_tiles: bool = False,
 ) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
     """(dE, dC, dbias), each None when not needed. ``target_positions``: see
     :func:`cce.vocab_order.target_positions`; ``live_tiles``: the live-grid table of tiles that
     may hold a significant entry (None: every tile may); ``mass_correction``: dE gets back what
     the filter dropped, estimated along the mean classifier row (:mod:`cce.sparse_tile_matmul`;
-    needs ``filter_eps`` and no softcap)."""
+    needs ``filter_eps`` and no softcap); ``keep_tiles``: when both gradients are needed and the
+    host may wait, recompute every live tile once into a buffer of its own and run both
+    products from it (:func:`_kept_tiles_backward`), instead of the two bounded passes."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     grid = kernel_configs(e.dtype).live_grid
@@ -66,10 +68,18 @@ def linear_cross_entropy_backward(
               if needs_grad_c else None)
     grad_bias = torch.empty_like(bias) if needs_grad_c and bias is not None else None
 
+    if keep_tiles and needs_grad_e and needs_grad_c and host_may_sync(e.device):
+        grad_e = torch.empty((num_tokens, dim), dtype=e.dtype, device=e.device)
+        correction = MassCorrection.of(c, prob_scale) if mass_correction else None
+        _kept_tiles_backward(e, c, target_positions, bias, softcap, lse, prob_scale,
+                             target_scale, vocab_order, live_tiles, filter_eps, correction,
+                             grad_e, grad_c, grad_bias)
+        return grad_e, grad_c, grad_bias
+
     grad_e = None
     if needs_grad_e:
         grad_e = torch.empty((num_tokens, dim), dtype=e.dtype, device=e.device)
-        scratch = _embeddings_pass_scratch(grad_c, e, num_vocab_blocks, grid.block_tokens,
+        scratch = _embeddings_pass_scratch(grad_c, e, c, num_vocab_blocks, grid.block_tokens,
                                            grid.block_vocab)
         row_segments = grid.block_tokens * num_vocab_blocks  # one token block, every vocab block
         chunk = _embeddings_chunk(scratch, num_token_blocks, row_segments, dim, e.dtype,
@@ -122,6 +132,45 @@ def linear_cross_entropy_backward(
     return grad_e, grad_c, grad_bias
 
 
+def _kept_tiles_backward(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
+                         vocab_order, live_tiles, filter_eps,
+                         correction: Optional[MassCorrection], grad_e: torch.Tensor,
+                         grad_c: torch.Tensor, grad_bias: Optional[torch.Tensor]) -> None:
+    """Both gradients from one recompute of every tile the table keeps live: the tiles go to a
+    buffer of their own, one slot each (live tiles x BLOCK_TOKENS x BLOCK_VOCAB elements, one
+    host sync to size it), in the dC product's layout; the dE product finds them through a map
+    from grid tile to slot. Tiles the exact filter drops are stored as zeros."""
+    grid = kernel_configs(e.dtype).live_grid
+    num_token_blocks = triton.cdiv(e.shape[0], grid.block_tokens)
+    num_vocab_blocks = triton.cdiv(c.shape[0], grid.block_vocab)
+    if live_tiles is None:
+        live_tiles = torch.ones((num_token_blocks, num_vocab_blocks), dtype=torch.int32,
+                                device=e.device)
+    tile_lists = TileLists.of(live_tiles.T)
+    counts = tile_lists.counts.cpu()
+    scratch = Scratch.dedicated(max(int(counts.sum()), 1) * grid.block_tokens,
+                                grid.block_vocab, e.dtype, e.device)
+    all_vocab_blocks = range(num_vocab_blocks)
+    listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
+                          vocab_order, filter_eps, scratch, tile_lists, int(counts.max()),
+                          all_vocab_blocks,
+                          correction.kept_mass if correction is not None else None)
+    gradient_times_classifier(scratch, tile_lists, e, vocab_order, grad_c, grad_bias,
+                              all_vocab_blocks)
+    # slot_map[t, v] = the slot of tile (t, v): the k-th of vocabulary block v's list is in
+    # slot first_slots[v] + k.
+    entries = torch.arange(num_token_blocks, device=e.device)
+    listed = entries[None, :] < tile_lists.counts[:, None]
+    vocab_blocks = torch.arange(num_vocab_blocks, device=e.device)[:, None].expand_as(listed)
+    slot_map = torch.zeros((num_token_blocks, num_vocab_blocks), dtype=torch.int32,
+                           device=e.device)
+    slot_map[tile_lists.lists[:, :num_token_blocks][listed].long(), vocab_blocks[listed]] = (
+        tile_lists.first_slots[:, None] + entries[None, :].int())[listed]
+    gradient_times_embeddings(scratch, live_tiles, c, vocab_order, grad_e,
+                              range(num_token_blocks), mass_correction=correction,
+                              slot_map=slot_map)
+
+
 def host_may_sync(device: torch.device) -> bool:
     """Whether the host may wait for the GPU here: not while a CUDA graph is being captured,
     not inside torch.compile's tracing, and not when the caller asked torch to flag every sync
@@ -143,18 +192,20 @@ def _tiles_per_vocab_block(tile_lists: TileLists, num_token_blocks: int) -> np.n
 
 
 def _embeddings_pass_scratch(grad_c: Optional[torch.Tensor], e: torch.Tensor,
-                             num_vocab_blocks: int, block_tokens: int,
+                             c: torch.Tensor, num_vocab_blocks: int, block_tokens: int,
                              block_vocab: int) -> Scratch:
     """dC's memory when it can hold at least one token block of tiles, else a buffer of its own
-    (dC not needed, or too small)."""
+    (dC not needed, or too small). Without dC (a frozen classifier) that buffer may take the
+    memory dC would have taken, so the dE-only backward gets chunks as wide as the full one's."""
     row_segments = block_tokens * num_vocab_blocks
     if grad_c is not None and rows_can_hold_segments(grad_c, block_vocab):
         scratch = Scratch.in_all_rows(grad_c, block_vocab)
         if scratch.segments >= row_segments:
             return scratch
+    budget = DEDICATED_SCRATCH_BYTES if grad_c is not None else max(
+        DEDICATED_SCRATCH_BYTES, c.numel() * c.element_size())
     segments = max(row_segments,
-                   DEDICATED_SCRATCH_BYTES // (block_vocab * e.element_size()) // row_segments
-                   * row_segments)
+                   budget // (block_vocab * e.element_size()) // row_segments * row_segments)
     segments = min(segments, triton.cdiv(e.shape[0], block_tokens) * row_segments)
     return Scratch.dedicated(segments, block_vocab, e.dtype, e.device)
 

@@ -101,13 +101,14 @@ def gradient_tiles_kernel(
         elif keep:
             store_tile(scratch_ptr, offsets, grad, row_mask, DOT_PRECISION)
             tl.store(flag_ptr, 1)
-            if SUM_KEPT_MASS:
+        else:
+            tl.store(flag_ptr, 0)
+        if SUM_KEPT_MASS:
+            if keep:
                 # A NaN row's dE is NaN through its tiles; its mass must not reach the cast.
                 row_mass = tl.where(row_mass == row_mass, row_mass, 0.0)
                 tl.atomic_add(kept_mass_ptr + rows, (row_mass * KEPT_MASS_ONE).to(tl.int64),
                               mask=row_mask, sem="relaxed")
-        else:
-            tl.store(flag_ptr, 0)
     elif not LISTED:
         tl.store(flag_ptr, 0)
 
@@ -134,13 +135,15 @@ def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: to
                           lse: torch.Tensor, prob_scale: torch.Tensor,
                           target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
                           filter_eps: Optional[float], scratch: Scratch, tile_lists: TileLists,
-                          longest_list: int, vocab_blocks: range) -> None:
+                          longest_list: int, vocab_blocks: range,
+                          kept_mass: Optional[torch.Tensor] = None) -> None:
     """Pass 2: store the listed tiles of ``vocab_blocks`` (``tile_lists``: per vocabulary block,
     the token blocks to store; ``longest_list``: at least the longest of those lists), each in
-    its slot; tiles the filter drops are stored as zeros."""
+    its slot; tiles the filter drops are stored as zeros. ``kept_mass``: as in
+    :func:`gradient_tiles` (when this is the backward's only recompute)."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             None, filter_eps, None, scratch, range(0), vocab_blocks, tile_lists=tile_lists,
-            longest_list=longest_list)
+            longest_list=longest_list, kept_mass=kept_mass)
 
 
 def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,

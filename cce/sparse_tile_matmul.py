@@ -58,13 +58,15 @@ class MassCorrection(NamedTuple):
 
 @triton.jit
 def sparse_tile_matmul_kernel(
-    scratch_ptr, pages_ptr, live_lists_ptr, live_counts_ptr, first_slots_ptr, operand_ptr,
+    scratch_ptr, pages_ptr, live_lists_ptr, live_counts_ptr, first_slots_ptr, slot_map_ptr,
+    operand_ptr,
     vocab_order_ptr, out_ptr, partial_ptr, grad_bias_ptr,
     classifier_mean_ptr, prob_scale_ptr, kept_mass_ptr,
     num_tokens, vocab_size, dim, chunk_vocab_blocks, page_stride,
     first_block, num_out_blocks, list_stride, stride_operand_row, stride_operand_dim,
     TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    MASS_CORRECTION: tl.constexpr, SPLITS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr,
+    MASS_CORRECTION: tl.constexpr, SPLITS: tl.constexpr, SLOT_MAP: tl.constexpr,
+    SCRATCH_IN_ORDER: tl.constexpr,
     SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     BLOCK_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -112,7 +114,14 @@ def sparse_tile_matmul_kernel(
             if HAS_BIAS:
                 grad_bias += tl.sum(operand_a.to(tl.float32), axis=1)
         else:
-            segments = chunk_rows.to(tl.int64) * chunk_vocab_blocks + other_block
+            if SLOT_MAP:
+                # Tiles kept whole in slots (the dC product's layout): look the slot up.
+                slot = tl.load(slot_map_ptr + (first_block + out_block).to(tl.int64)
+                               * chunk_vocab_blocks + other_block)
+                segments = (slot.to(tl.int64) * BLOCK_TOKENS
+                            + tl.arange(0, BLOCK_TOKENS))
+            else:
+                segments = chunk_rows.to(tl.int64) * chunk_vocab_blocks + other_block
             offsets = segment_offsets(pages_ptr, segments, row_mask, page_stride,
                                       SEGMENTS_PER_PAGE, BLOCK_VOCAB, SCRATCH_IN_ORDER)
             operand_a = tl.load(scratch_ptr + offsets, mask=row_mask[:, None], other=0.0)
@@ -153,14 +162,18 @@ def sparse_tile_matmul_kernel(
 def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Tensor,
                               vocab_order: Optional[torch.Tensor], grad_e: torch.Tensor,
                               token_blocks: range, room: Optional[torch.Tensor] = None,
-                              mass_correction: Optional[MassCorrection] = None) -> None:
+                              mass_correction: Optional[MassCorrection] = None,
+                              slot_map: Optional[torch.Tensor] = None) -> None:
     """``grad_e[rows of token_blocks] = G @ c`` for a chunk of whole rows of the tile grid
     (pass 1: stored whole rows of the grid, ``flags`` say which tiles hold something), plus the
     filtered mass along the mean row of c when ``mass_correction`` is given.
-    ``room``: free float32 memory for the partial sums of a split product."""
+    ``room``: free float32 memory for the partial sums of a split product. ``slot_map``: int32
+    (token blocks, vocabulary blocks), the slot of each flagged tile when the tiles are stored
+    in slots (as for the dC product) rather than as whole rows of the grid."""
     lists, counts = live_lists(flags[token_blocks.start:token_blocks.stop])
     _launch(scratch, lists, counts, None, c, vocab_order, grad_e, None, token_blocks.start,
-            flags.shape[1], transposed=False, room=room, mass_correction=mass_correction)
+            flags.shape[1], transposed=False, room=room, mass_correction=mass_correction,
+            slot_map=slot_map)
 
 
 def gradient_times_classifier(scratch: Scratch, tile_lists: TileLists, e: torch.Tensor,
@@ -204,7 +217,8 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             vocab_order: Optional[torch.Tensor], out: torch.Tensor,
             grad_bias: Optional[torch.Tensor], first_block: int, chunk_vocab_blocks: int,
             transposed: bool, room: Optional[torch.Tensor] = None,
-            mass_correction: Optional[MassCorrection] = None) -> None:
+            mass_correction: Optional[MassCorrection] = None,
+            slot_map: Optional[torch.Tensor] = None) -> None:
     configs = kernel_configs(operand.dtype)
     grid, config = configs.live_grid, configs.sparse_tile_matmul
     dim = operand.shape[1]
@@ -224,13 +238,15 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
     vocab_size = out.shape[0] if transposed else operand.shape[0]
     correction = mass_correction or MassCorrection(None, None, None)  # None: unused pointers
     sparse_tile_matmul_kernel[(programs * splits,)](
-        scratch.buffer, scratch.pages, lists, counts, first_slots, operand, vocab_order, out,
+        scratch.buffer, scratch.pages, lists, counts, first_slots, slot_map, operand,
+        vocab_order, out,
         partial, grad_bias, correction.classifier_mean, correction.prob_scale,
         correction.kept_mass, num_tokens, vocab_size, dim, chunk_vocab_blocks,
         scratch.page_stride, first_block, num_out_blocks,
         lists.stride(0), operand.stride(0), operand.stride(1),
         TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
         MASS_CORRECTION=mass_correction is not None, SPLITS=splits,
+        SLOT_MAP=slot_map is not None,
         SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_OUT=_block_out(dim, operand.dtype), DOT_PRECISION=dot_precision(operand.dtype),
