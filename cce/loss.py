@@ -16,11 +16,13 @@ from torch import nn
 
 from cce import baselines
 from cce.cce_function import cce_loss
+from cce.chunked_torch import chunked_torch_loss
 
 Implementation = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "cce": cce_loss,
+    "cce_torch": chunked_torch_loss,
     "torch": baselines.torch_loss,
     "torch_compile": baselines.torch_compile_loss,
     "chunked": baselines.chunked_loss,
@@ -79,8 +81,9 @@ def linear_cross_entropy(
             classifier rows share a direction). Not applied with ``softcap``, whose derivative
             the dropped entries' sum does not carry. False: the paper's filter.
         return_lse: also return the log-sum-exp of every row, shape of ``targets``.
-        impl: "cce" (Triton kernels), "torch" (materialized logits), "torch_compile" or
-            "chunked" (8 compiled chunks, torchtune-style).
+        impl: "cce" (Triton kernels), "cce_torch" (chunked PyTorch operations on any device,
+            exact gradients: the filter options do not apply), "torch" (materialized logits),
+            "torch_compile" or "chunked" (8 compiled chunks, torchtune-style).
 
     Returns:
         The loss, or ``(loss, lse)`` when ``return_lse`` is True.
