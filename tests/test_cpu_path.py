@@ -1,15 +1,25 @@
-"""Specification of the PyTorch path, ``impl="cce_torch"``.
+"""Specification of the PyTorch path: ``impl="cce_torch"``, and ``impl="cce"`` on CPU tensors
+when Triton's interpreter is off.
 
 It computes the loss from float32 logits of the rounded inputs, a chunk of tokens at a time, with
 exact gradients, on any device. So in every dtype its loss and lse are as accurate as float32
 sums allow, and its gradients are float32 results rounded once to the input dtype. The tests
 run with the default chunk size (one chunk for these sizes) and with chunks of 5 tokens, which
 leave a remainder of 2 of N=37 tokens.
+
+The dispatch tests run in a subprocess without ``TRITON_INTERPRET``, which ``conftest.py`` sets
+for the kernel tests on a CPU-only machine.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cce
 from cce import chunked_torch
+from cce.config import interpreting
 from tests.helpers import (DTYPE_IDS, DTYPES, N, V, Inputs, make_grad_output, make_inputs, run,
                            run_reference)
 from tests.reference import Result, relative_error
 
+REPOSITORY = Path(__file__).resolve().parents[1]
 CHUNK_TOKENS = 5  # 37 tokens = 7 chunks of 5 + 2
 
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -223,3 +235,75 @@ def test_non_finite_row_propagates_like_pytorch(dtype: torch.dtype, bad_value: f
     assert relative_error(result.loss[good], ref.loss) <= FORWARD_TOLERANCE
     assert relative_error(result.lse[good], ref.lse) <= FORWARD_TOLERANCE
     assert relative_error(result.grad_e[good], ref.grad_e) <= gradient_tolerance(dtype)
+
+
+# --- Which path impl="cce" takes -------------------------------------------------------------
+
+
+def _graph_functions(tensor: torch.Tensor) -> "set[str]":
+    """Names of the autograd functions that ``tensor`` was computed by."""
+    names, stack = set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and type(node).__name__ not in names:
+            names.add(type(node).__name__)
+            stack += [next_node for next_node, _ in node.next_functions]
+    return names
+
+
+@pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (CPU-only machines)")
+def test_default_runs_the_kernels_on_cpu_when_interpreting(gen: torch.Generator) -> None:
+    """With TRITON_INTERPRET=1 (as the kernel tests set it), CPU tensors run the kernels."""
+    inputs = make_inputs(gen, "cpu", torch.float32)
+    e = inputs.e.requires_grad_()
+    functions = _graph_functions(cce.linear_cross_entropy(e, inputs.c, inputs.targets))
+    assert "LinearCrossEntropyFunctionBackward" in functions
+
+
+def _run_without_interpreter(code: str) -> subprocess.CompletedProcess:
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=environment, cwd=REPOSITORY)
+
+
+# The child process's check: impl="cce" on CPU tensors, with gradients, through the PyTorch
+# path; the same loss and gradients as the materialized baseline; TRITON_INTERPRET left unset.
+_CHECK_DEFAULT_ON_CPU = """
+    import os
+    import torch
+    torch.manual_seed(0)
+    e, c = torch.randn(37, 72, requires_grad=True), torch.randn(1000, 72, requires_grad=True)
+    targets = torch.randint(0, 1000, (37,))
+    results = []
+    for impl in ("cce", "torch"):
+        loss = cce.linear_cross_entropy(e, c, targets, impl=impl)
+        results.append([loss, *torch.autograd.grad(loss, (e, c))])
+    functions, stack = set(), [results[0][0].grad_fn]
+    while stack:
+        node = stack.pop()
+        functions.add(type(node).__name__)
+        stack += [next_node for next_node, _ in node.next_functions if next_node is not None]
+    assert "ChunkedLinearCrossEntropyBackward" in functions, functions
+    for ours, theirs in zip(*results):
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert "TRITON_INTERPRET" not in os.environ
+    print("ok")
+"""
+
+
+@pytest.mark.parametrize("first_import", ["cce", "triton", "transformers"])
+def test_default_on_cpu_is_the_pytorch_path_whatever_was_imported_first(
+        first_import: str) -> None:
+    """Without TRITON_INTERPRET, impl="cce" computes CPU tensors with the PyTorch path, and
+    importing triton (or transformers, which imports it) before cce changes nothing."""
+    if first_import == "transformers":
+        if importlib.util.find_spec("transformers") is None:
+            pytest.skip("transformers is not installed")
+        # A model class, not just the package: that is what imports triton.
+        first = "from transformers import Gemma3ForCausalLM\nassert 'triton' in sys.modules\n"
+    else:
+        first = f"import {first_import}\n"
+    output = _run_without_interpreter("import sys\n" + first + "import cce\n"
+                                      + textwrap.dedent(_CHECK_DEFAULT_ON_CPU))
+    assert output.returncode == 0, output.stderr
+    assert output.stdout.strip() == "ok"
