@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from cce.backward import linear_cross_entropy_backward
-from cce.config import check_interpreter_usable, interpreting, kernel_configs
+from cce.config import check_interpreter_usable, kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.live_tiles import live_tiles
@@ -93,14 +93,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
              bias: Optional[torch.Tensor], softcap: Optional[float],
              filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool):
-    """Canonical-signature entry point (see :mod:`cce.loss`)."""
+    """Canonical-signature entry point of the Triton kernels (see :mod:`cce.loss`): CUDA
+    tensors, or CPU tensors in Triton's interpreter."""
     check_interpreter_usable()
-    device = e.device
-    if device.type == "cpu" and not interpreting():
-        # Compiled Triton kernels need CUDA tensors: on a machine with a GPU, CPU inputs run
-        # there and the results (and gradients, through autograd) come back to the CPU.
-        e, c, targets = e.cuda(), c.cuda(), targets.cuda()
-        bias = bias.cuda() if bias is not None else None
     if e.shape[0] == 0:
         # No tokens: zero-size outputs that still connect every input to the graph.
         connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
@@ -113,4 +108,4 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     loss, lse = LinearCrossEntropyFunction.apply(e, c, bias, targets.contiguous(), softcap,
                                                  filter_eps, vocab_sorting, filter_correction,
                                                  needs_grad)
-    return loss.to(device), lse.to(device)
+    return loss, lse

@@ -83,23 +83,30 @@ _MIN_BLOCKS_PER_RECORDING_PROGRAM = 8
 
 @functools.cache
 def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter. Triton decides when a kernel is
-    decorated, at import (``cce/__init__.py``), so this reads the variable once too (it is asked
-    several hundred times per loss call)."""
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, which only
+    the user sets). Triton decides when a kernel is decorated, at import, so this reads the
+    variable once too (it is asked several hundred times per loss call)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether cce's Triton kernels can take tensors on ``device``: CUDA tensors, and CPU
+    tensors when Triton's interpreter is on."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
 def check_interpreter_usable() -> None:
     """Raise when the interpreter is on but cannot run cce's kernels: Triton was imported before
-    ``cce`` turned it on (``cce/__init__.py``), so Triton's own language functions (``tl.max``,
-    ``tl.sum``, ...) were built for a GPU, and every kernel would stop on them with an error
-    that does not say why."""
+    ``TRITON_INTERPRET=1`` was set, so Triton's own language functions (``tl.max``, ``tl.sum``,
+    ...) were built for a GPU, and every kernel would stop on them with an error that does not
+    say why."""
     if interpreting() and not _triton_language_interpreted():
         raise RuntimeError(
-            "cce runs its kernels in Triton's CPU interpreter here (no CUDA device), but triton "
-            "was imported before cce without TRITON_INTERPRET=1, so its language functions "
-            "cannot run in the interpreter. Import cce before anything that imports triton, or "
-            "set TRITON_INTERPRET=1 in the environment. (impl='torch' works either way.)")
+            "TRITON_INTERPRET=1 asks cce to run its kernels in Triton's CPU interpreter, but "
+            "triton was imported before the variable was set, so its language functions "
+            "cannot run in the interpreter. Set TRITON_INTERPRET=1 before anything imports "
+            "triton (in the environment), or leave it unset: CPU tensors then take the PyTorch "
+            "path (impl='cce_torch').")
 
 
 @functools.cache

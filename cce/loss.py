@@ -16,11 +16,26 @@ from torch import nn
 
 from cce import baselines
 from cce.cce_function import cce_loss
+from cce.chunked_torch import chunked_torch_loss
+from cce.config import kernels_run_on
 
 Implementation = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 
+
+def kernels_or_chunked_torch(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                             bias: Optional[torch.Tensor], softcap: Optional[float],
+                             filter_eps: Optional[float], vocab_sorting: bool,
+                             filter_correction: bool) -> "tuple[torch.Tensor, torch.Tensor]":
+    """impl="cce": the Triton kernels where they run (:func:`cce.config.kernels_run_on`), else
+    the same loss with exact gradients in chunked PyTorch operations, on the inputs' device."""
+    implementation = cce_loss if kernels_run_on(e.device) else chunked_torch_loss
+    return implementation(e, c, targets, bias, softcap, filter_eps, vocab_sorting,
+                          filter_correction)
+
+
 IMPLEMENTATIONS: dict[str, Implementation] = {
-    "cce": cce_loss,
+    "cce": kernels_or_chunked_torch,
+    "cce_torch": chunked_torch_loss,
     "torch": baselines.torch_loss,
     "torch_compile": baselines.torch_compile_loss,
     "chunked": baselines.chunked_loss,
@@ -79,8 +94,11 @@ def linear_cross_entropy(
             classifier rows share a direction). Not applied with ``softcap``, whose derivative
             the dropped entries' sum does not carry. False: the paper's filter.
         return_lse: also return the log-sum-exp of every row, shape of ``targets``.
-        impl: "cce" (Triton kernels), "torch" (materialized logits), "torch_compile" or
-            "chunked" (8 compiled chunks, torchtune-style).
+        impl: "cce" (Triton kernels on CUDA tensors; on CPU tensors too when
+            ``TRITON_INTERPRET=1`` runs them in Triton's interpreter, else "cce_torch"),
+            "cce_torch" (chunked PyTorch operations on any device, exact gradients: the filter
+            options do not apply), "torch" (materialized logits), "torch_compile" or "chunked"
+            (8 compiled chunks, torchtune-style).
 
     Returns:
         The loss, or ``(loss, lse)`` when ``return_lse`` is True.

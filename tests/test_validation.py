@@ -18,8 +18,8 @@ import torch
 import cce
 
 V, D = 10, 16
-IMPLS = ("cce", "torch", "torch_compile", "chunked")
-COMPUTE_IMPLS = ("cce", "torch")  # impls run by the tests that compute something
+IMPLS = ("cce", "cce_torch", "torch", "torch_compile", "chunked")
+COMPUTE_IMPLS = ("cce", "cce_torch", "torch")  # impls run by the tests that compute something
 
 
 def names(*arguments: str) -> str:

@@ -1,0 +1,115 @@
+"""Linear cross-entropy in PyTorch operations, a chunk of tokens at a time (the CPU default).
+
+Same canonical signature and outputs as the other implementations (:mod:`cce.loss`), and exact
+gradients: the filter arguments are accepted and ignored. At most one chunk of float32 logits,
+about ``CHUNK_LOGIT_BYTES``, exists at a time. The forward keeps only its inputs and the
+log-sum-exp (LSE); the backward recomputes each chunk's logits and turns them into that chunk's
+logit gradient, which it multiplies into dE, dC and dbias at once.
+
+The logits are products of float32 copies of the inputs: a product of two 16-bit numbers is
+exact in float32, so only float32 accumulation error remains, as in the Triton kernels. A
+16-bit matmul would round every logit to the input dtype (and on a CPU it cannot return float32).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+# Bytes of float32 logits per chunk of tokens (at least one token per chunk).
+CHUNK_LOGIT_BYTES = 32 * 2**20
+
+
+def chunked_torch_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                       bias: Optional[torch.Tensor], softcap: Optional[float],
+                       filter_eps: Optional[float] = None, vocab_sorting: bool = False,
+                       filter_correction: bool = False) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Per-token loss (0 at ignored tokens) and LSE, float32 (N,), on the device of the inputs;
+    ``filter_eps``, ``vocab_sorting`` and ``filter_correction`` do not apply."""
+    return ChunkedLinearCrossEntropy.apply(e, c, bias, targets, softcap)
+
+
+def chunk_rows(vocab_size: int) -> int:
+    """Tokens per chunk: as many as fit ``CHUNK_LOGIT_BYTES`` of float32 logits, at least 1."""
+    return max(1, CHUNK_LOGIT_BYTES // (4 * vocab_size))
+
+
+def _chunk_logits(e32: torch.Tensor, c32: torch.Tensor, bias32: Optional[torch.Tensor],
+                  softcap: Optional[float]) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
+    """float32 logits of a chunk of tokens, soft-capped, and ``tanh(raw logits / softcap)``
+    (whose square the softcap's derivative needs), None without a softcap."""
+    logits = e32 @ c32.T if bias32 is None else torch.addmm(bias32, e32, c32.T)
+    if softcap is None:
+        return logits, None
+    capped = logits.div_(softcap).tanh_()
+    return capped * softcap, capped
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Per-token loss and LSE, float32 (N,); targets are canonical (int64, -1 = ignored)."""
+
+    @staticmethod
+    def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                targets: torch.Tensor, softcap: Optional[float]):
+        c32, bias32 = c.float(), None if bias is None else bias.float()
+        num_tokens = e.shape[0]
+        lse = torch.empty(num_tokens, dtype=torch.float32, device=e.device)
+        target_logit = torch.empty_like(lse)
+        gather_index = targets.clamp(min=0).unsqueeze(1)  # ignored rows read column 0, unused
+        rows = chunk_rows(c.shape[0])
+        for start in range(0, num_tokens, rows):
+            chunk = slice(start, start + rows)
+            logits, _ = _chunk_logits(e[chunk].float(), c32, bias32, softcap)
+            lse[chunk] = torch.logsumexp(logits, dim=1)
+            target_logit[chunk] = logits.gather(1, gather_index[chunk]).squeeze(1)
+        # A row with a +inf logit has a NaN loss in PyTorch, whose log_softmax subtracts the
+        # row's maximum first (inf - inf); lse - target_logit alone would be +inf there.
+        token_loss = torch.where(lse == math.inf, math.nan, lse - target_logit)
+        loss = torch.where(targets >= 0, token_loss, 0.0)
+        ctx.save_for_backward(e, c, bias, targets, lse)
+        ctx.softcap = softcap
+        return loss, lse
+
+    @staticmethod
+    @once_differentiable  # the backward's in-place chunk arithmetic records no graph
+    def backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor):
+        e, c, bias, targets, lse = ctx.saved_tensors
+        needs_grad_e, needs_grad_c, needs_grad_bias = ctx.needs_input_grad[:3]
+        softcap = ctx.softcap
+        # d(loss * grad_loss + lse * grad_lse)/d(logits) = softmax * prob_scale
+        # - onehot(target) * target_scale; ignored rows only have the lse's term.
+        target_scale = torch.where(targets >= 0, grad_loss.float(), 0.0)
+        prob_scale = (target_scale + grad_lse.float()).unsqueeze(1)
+        target_scale = target_scale.unsqueeze(1)
+        # The softmax is exp(logits - lse); where the lse is +inf, PyTorch's softmax is NaN on
+        # the whole row (every logit minus an infinite maximum), not only at the +inf logits.
+        softmax_shift = lse.masked_fill(lse == math.inf, math.nan).unsqueeze(1)
+        scatter_index = targets.clamp(min=0).unsqueeze(1)  # ignored rows add -0 to column 0
+
+        c32, bias32 = c.float(), None if bias is None else bias.float()
+        grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device) if needs_grad_e else None
+        grad_c32 = torch.zeros(c.shape, dtype=torch.float32, device=c.device) if needs_grad_c \
+            else None
+        grad_bias32 = torch.zeros(c.shape[0], dtype=torch.float32, device=c.device) \
+            if needs_grad_bias else None
+        rows = chunk_rows(c.shape[0])
+        for start in range(0, e.shape[0], rows):
+            chunk = slice(start, start + rows)
+            e32 = e[chunk].float()
+            logits, capped = _chunk_logits(e32, c32, bias32, softcap)
+            grad_logits = logits.sub_(softmax_shift[chunk]).exp_().mul_(prob_scale[chunk])
+            grad_logits.scatter_add_(1, scatter_index[chunk], target_scale[chunk].neg())
+            if capped is not None:  # d(s * tanh(z / s))/dz = 1 - tanh(z / s)^2
+                grad_logits.mul_(capped.square_().neg_().add_(1.0))
+            if needs_grad_e:
+                grad_e[chunk] = grad_logits @ c32
+            if needs_grad_c:
+                grad_c32.addmm_(grad_logits.T, e32)
+            if needs_grad_bias:
+                grad_bias32 += grad_logits.sum(dim=0)
+        grad_c = grad_c32.to(c.dtype) if needs_grad_c else None
+        grad_bias = grad_bias32.to(bias.dtype) if needs_grad_bias else None
+        return grad_e, grad_c, grad_bias, None, None
