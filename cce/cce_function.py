@@ -108,17 +108,19 @@ def _loss_forward_fake(e, c, bias, targets, softcap, filter_eps, vocab_sorting,
 @torch.library.custom_op("cce::loss_backward", mutates_args=())
 def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                   targets: torch.Tensor, lse: torch.Tensor, order: torch.Tensor,
-                  tile_bound: torch.Tensor, grad_loss: torch.Tensor, grad_lse: torch.Tensor,
+                  tile_bound: torch.Tensor, grad_loss: Optional[torch.Tensor],
+                  grad_lse: Optional[torch.Tensor],
                   softcap: Optional[float], filter_eps: Optional[float],
                   filter_correction: bool, needs_grad_e: bool, needs_grad_c: bool,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)``, each empty when not
-    needed (dC and dbias both come with ``needs_grad_c``). ``order`` and ``tile_bound``: from
+    """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` (a None gradient counts as
+    0), each empty when not needed (dC and dbias both come with ``needs_grad_c``). ``order`` and ``tile_bound``: from
     :func:`loss_forward`. ``filter_correction``: with filtering and no softcap, dE gets back
     what the filter dropped (:mod:`cce.sparse_tile_matmul`)."""
     order = order if order.numel() else None
-    target_scale = torch.where(targets >= 0, grad_loss.float(), 0.0)
-    prob_scale = target_scale + grad_lse.float()
+    target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
+                    if grad_loss is not None else torch.zeros_like(lse))
+    prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
     if e.shape[1] == 0:
         grad_bias = (_bias_gradient_without_dimensions(bias, targets, softcap, prob_scale,
                                                        target_scale)
@@ -181,10 +183,8 @@ def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
     needs_e, needs_c, needs_bias = ctx.needs_input_grad[:3]
     with torch.no_grad():  # under create_graph=True too: see _differentiable_once
         grad_e, grad_c, grad_bias = loss_backward(
-            e, c, bias, targets, lse, order, tile_bound,
-            grad_loss if grad_loss is not None else torch.zeros_like(lse),
-            grad_lse if grad_lse is not None else torch.zeros_like(lse),
-            *ctx.options, needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
+            e, c, bias, targets, lse, order, tile_bound, grad_loss, grad_lse, *ctx.options,
+            needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
     gradients = _differentiable_once(
         [grad for grad, needed in ((grad_e, needs_e), (grad_c, needs_c), (grad_bias, needs_bias))
          if needed],
