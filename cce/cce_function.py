@@ -114,9 +114,9 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
                   filter_correction: bool, needs_grad_e: bool, needs_grad_c: bool,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` (a None gradient counts as
-    0), each empty when not needed (dC and dbias both come with ``needs_grad_c``). ``order`` and ``tile_bound``: from
-    :func:`loss_forward`. ``filter_correction``: with filtering and no softcap, dE gets back
-    what the filter dropped (:mod:`cce.sparse_tile_matmul`)."""
+    0), each empty when not needed (dC and dbias both come with ``needs_grad_c``). ``order``
+    and ``tile_bound``: from :func:`loss_forward`. ``filter_correction``: with filtering and no
+    softcap, dE gets back what the filter dropped (:mod:`cce.sparse_tile_matmul`)."""
     order = order if order.numel() else None
     target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
                     if grad_loss is not None else torch.zeros_like(lse))

@@ -64,8 +64,11 @@ def linear_cross_entropy(
     float32. The loss is float32 whatever the input dtype.
 
     Args:
-        e: embeddings, shape (..., D), float32/float16/bfloat16.
-        c: classifier, shape (V, D), same dtype and device as ``e``.
+        e: embeddings, shape (..., D), float32/float16/bfloat16 (D = 0 gives the logits
+            ``bias``, or 0, as ``e @ c.T`` does).
+        c: classifier, shape (V, D), same dtype and device as ``e``. Under torch.autocast on
+            their device, e, c and bias are first cast to the autocast dtype, as F.linear would
+            cast them; each still gets its gradient in its own dtype.
         targets: integer tensor (any signed or unsigned integer dtype) of shape
             ``e.shape[:-1]``, values in [0, V) or ``ignore_index``
             (else ``ValueError``; under torch.compile or CUDA graph capture, where the host
@@ -77,7 +80,8 @@ def linear_cross_entropy(
         reduction: "mean" over non-ignored tokens, "sum", or "none" (shape of ``targets``,
             0 at ignored positions).
         shift: position i is scored against ``targets[..., i + shift]``; the last ``shift``
-            positions count as ignored (next-token prediction without slicing ``e``).
+            positions count as ignored (next-token prediction without slicing ``e``), and the
+            first ``shift`` targets are not used (nor range-checked).
         filter_eps: gradient filtering threshold: skip backward tiles whose softmax entries are
             all below it. "auto" is 2^-12 for bfloat16 (finfo(dtype).eps / 32 in general);
             None disables filtering (exact gradients).
@@ -171,7 +175,8 @@ def _canonical_targets(targets: torch.Tensor, ignore_index: int, shift: int,
     as_int64 = targets.long()
     valid = as_int64 != ignore_index
     if targets.dtype == torch.uint64:
-        valid = valid | (as_int64 < 0)  # from 2^63 up: wrapped around, out of range, never ignore_index
+        # From 2^63 up, wrapped around to negative: out of range, never ignore_index.
+        valid = valid | (as_int64 < 0)
     if shift:
         valid = valid & (torch.arange(targets.shape[-1], device=targets.device) >= shift)
     out_of_range = valid & ((as_int64 < 0) | (as_int64 >= vocab_size))

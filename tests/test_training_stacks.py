@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cce
 from cce.cce_function import loss_backward, loss_forward
 from tests.conftest import DEVICE
-from tests.helpers import D, N, V, Inputs, check, make_grad_output, make_inputs, run, run_reference
+from tests.helpers import D, V, Inputs, check, make_grad_output, make_inputs, run, run_reference
 from tests.reference import relative_error
 
 BATCH, SEQ = 3, 11  # (BATCH, SEQ) tokens for the tests that want a batch dimension
