@@ -1,10 +1,21 @@
-"""The CCE autograd function: forward = indexed dot + linear-log-sum-exp, backward = Alg. 3."""
+"""The CCE loss as two PyTorch custom ops: ``cce::loss_forward`` (indexed dot + linear-log-sum-exp)
+and ``cce::loss_backward`` (Alg. 3).
+
+Both are registered with ``torch.library``, with fake implementations (FakeTensor, meta tensors,
+torch.compile), and the forward with its autograd formula, which calls the backward op: so
+torch.compile sees one opaque op per pass instead of tracing into the kernels' launch code
+(which, in Triton's CPU interpreter, it cannot). Custom ops take and return tensors only: an
+absent output (the vocabulary order without sorting, the tile bounds without a filtering
+backward, a gradient nobody needs) is an empty tensor. The gradients are differentiable once:
+differentiating them raises (:func:`_differentiable_once`).
+"""
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
 import torch
+import triton
 
 from cce.backward import linear_cross_entropy_backward
 from cce.config import check_interpreter_usable, kernel_configs
@@ -49,45 +60,197 @@ def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: tor
                       grid.block_vocab, filter_eps)
 
 
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Per-token loss and LSE, float32 (N,); targets are canonical (int64, -1 = ignored)."""
+# --- The ops ---------------------------------------------------------------------------------
+
+
+def _records_bounds(filter_eps: Optional[float], needs_grad: bool) -> bool:
+    return needs_grad and filter_eps is not None
+
+
+@torch.library.custom_op("cce::loss_forward", mutates_args=())
+def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                 targets: torch.Tensor, softcap: Optional[float], filter_eps: Optional[float],
+                 vocab_sorting: bool, filter_correction: bool, needs_grad: bool,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token loss, lse, vocabulary order, tile bounds): float32 (N,), float32 (N,), int32
+    (V,) or empty, float32 live-grid table or empty. Targets are canonical (int64, -1 = ignored).
+    ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
+    ``filter_correction`` is the backward's (see :func:`loss_backward`)."""
+    check_interpreter_usable()
+    order, target_logit, lse, tile_bound = forward_kernels(
+        e, c, bias, targets, softcap, _records_bounds(filter_eps, needs_grad), vocab_sorting)
+    # lse and the target logit come from different kernels: on a row whose softmax is one-hot
+    # to float32 precision their difference can round below 0, which a loss never is.
+    token_loss = (lse - target_logit).clamp_min(0.0)
+    # A row with an infinite logit has lse = +inf, and a NaN loss in PyTorch, whose
+    # log_softmax subtracts the row's maximum first (inf - inf).
+    token_loss = torch.where(lse == float("inf"), float("nan"), token_loss)
+    loss = torch.where(targets >= 0, token_loss, 0.0)
+    return (loss, lse, _or_empty(order, torch.int32, e.device),
+            _or_empty(tile_bound, torch.float32, e.device))
+
+
+@loss_forward.register_fake
+def _loss_forward_fake(e, c, bias, targets, softcap, filter_eps, vocab_sorting,
+                       filter_correction, needs_grad):
+    num_tokens, vocab_size = e.shape[0], c.shape[0]
+    records_bounds = _records_bounds(filter_eps, needs_grad)
+    grid = kernel_configs(e.dtype).live_grid  # lse_forward's table: one row per token block
+    bound_shape = ((triton.cdiv(num_tokens, grid.block_tokens),
+                    triton.cdiv(vocab_size, grid.block_vocab)) if records_bounds else (0,))
+    return (e.new_empty(num_tokens, dtype=torch.float32),
+            e.new_empty(num_tokens, dtype=torch.float32),
+            e.new_empty(vocab_size if records_bounds and vocab_sorting else 0,
+                        dtype=torch.int32),
+            e.new_empty(bound_shape, dtype=torch.float32))
+
+
+@torch.library.custom_op("cce::loss_backward", mutates_args=())
+def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                  targets: torch.Tensor, lse: torch.Tensor, order: torch.Tensor,
+                  tile_bound: torch.Tensor, grad_loss: Optional[torch.Tensor],
+                  grad_lse: Optional[torch.Tensor],
+                  softcap: Optional[float], filter_eps: Optional[float],
+                  filter_correction: bool, needs_grad_e: bool, needs_grad_c: bool,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` (a None gradient counts as
+    0), each empty when not needed (dC and dbias both come with ``needs_grad_c``). ``order``
+    and ``tile_bound``: from :func:`loss_forward`. ``filter_correction``: with filtering and no
+    softcap, dE gets back what the filter dropped (:mod:`cce.sparse_tile_matmul`)."""
+    order = order if order.numel() else None
+    target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
+                    if grad_loss is not None else torch.zeros_like(lse))
+    prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
+    if e.shape[1] == 0:
+        grad_bias = (_bias_gradient_without_dimensions(bias, targets, softcap, prob_scale,
+                                                       target_scale)
+                     if needs_grad_c and bias is not None else None)
+        return (e.new_zeros(e.shape if needs_grad_e else (0,)),
+                c.new_zeros(c.shape if needs_grad_c else (0,)),
+                _or_empty(grad_bias, c.dtype, c.device))
+    positions = target_positions(targets, order)
+    live = None
+    if tile_bound.numel():
+        live = recompute_table(tile_bound, lse, prob_scale, positions, e.dtype, filter_eps)
+    grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
+        e, c, positions, bias, softcap, lse, prob_scale, target_scale, order, live, filter_eps,
+        needs_grad_e=needs_grad_e, needs_grad_c=needs_grad_c,
+        mass_correction=filter_correction and filter_eps is not None and softcap is None)
+    return (_or_empty(grad_e, e.dtype, e.device), _or_empty(grad_c, c.dtype, c.device),
+            _or_empty(grad_bias, c.dtype, c.device))
+
+
+def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
+                                      softcap: Optional[float], prob_scale: torch.Tensor,
+                                      target_scale: torch.Tensor) -> torch.Tensor:
+    """dbias when D = 0 (the kernels' tiles need D > 0): every row's logits are the (capped)
+    bias, so every row has the same softmax."""
+    logits = bias.float()
+    if softcap is not None:
+        capped = torch.tanh(logits / softcap)
+        logits = softcap * capped
+    target_sums = torch.zeros_like(logits).index_add_(0, targets.clamp(min=0), target_scale)
+    grad = torch.softmax(logits, dim=0) * prob_scale.sum() - target_sums
+    if softcap is not None:
+        grad = grad * (1.0 - capped * capped)
+    return grad.to(bias.dtype)
+
+
+@loss_backward.register_fake
+def _loss_backward_fake(e, c, bias, targets, lse, order, tile_bound, grad_loss, grad_lse,
+                        softcap, filter_eps, filter_correction, needs_grad_e, needs_grad_c):
+    return (e.new_empty(e.shape if needs_grad_e else (0,)),
+            c.new_empty(c.shape if needs_grad_c else (0,)),
+            c.new_empty(bias.shape if needs_grad_c and bias is not None else (0,)))
+
+
+# --- Autograd ----------------------------------------------------------------------------------
+
+
+def _loss_forward_setup_context(ctx, inputs, output) -> None:
+    e, c, bias, targets, softcap, filter_eps, _, filter_correction, _ = inputs
+    _, lse, order, tile_bound = output
+    ctx.mark_non_differentiable(order, tile_bound)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(e, c, bias, targets, lse, order, tile_bound)
+    ctx.options = (softcap, filter_eps, filter_correction)
+
+
+def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
+                           grad_lse: Optional[torch.Tensor], _grad_order, _grad_tile_bound):
+    """Gradients of e, c and bias (None for the targets and the options)."""
+    e, c, bias, targets, lse, order, tile_bound = ctx.saved_tensors
+    needs_e, needs_c, needs_bias = ctx.needs_input_grad[:3]
+    with torch.no_grad():  # under create_graph=True too: see _differentiable_once
+        grad_e, grad_c, grad_bias = loss_backward(
+            e, c, bias, targets, lse, order, tile_bound, grad_loss, grad_lse, *ctx.options,
+            needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
+    gradients = _differentiable_once(
+        [grad for grad, needed in ((grad_e, needs_e), (grad_c, needs_c), (grad_bias, needs_bias))
+         if needed],
+        (e, c, bias, grad_loss, grad_lse))
+    return tuple(gradients.pop(0) if needed else None
+                 for needed in (needs_e, needs_c, needs_bias)) + (None,) * 6
+
+
+def _differentiable_once(gradients: "list[torch.Tensor]",
+                         depends_on: "tuple[Optional[torch.Tensor], ...]") -> "list[torch.Tensor]":
+    """``gradients``, which under create_graph=True (grad mode on, some of ``depends_on``
+    requiring grad) get a grad_fn that raises when differentiated: without one, a term built on
+    them (a gradient penalty) would silently lose its part through the loss. (torch's
+    ``once_differentiable`` looks only at the upstream gradients, not at e and c.)"""
+    tracked = [tensor for tensor in depends_on if tensor is not None and tensor.requires_grad]
+    if not (gradients and tracked and torch.is_grad_enabled()):
+        return gradients
+    return list(_RaiseWhenDifferentiated.apply(len(gradients), *gradients, *tracked))
+
+
+class _RaiseWhenDifferentiated(torch.autograd.Function):
+    """The identity on its first ``count`` tensors, whose backward raises; the other inputs
+    (e, c, ...) connect it to the graph, so that differentiating them through it raises too."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
-                targets: torch.Tensor, softcap: Optional[float], filter_eps: Optional[float],
-                vocab_sorting: bool, filter_correction: bool, needs_grad: bool):
-        # needs_grad comes from outside: grad mode is always off in here, and
-        # ctx.needs_input_grad is True under torch.no_grad too.
-        order, target_logit, lse, tile_bound = forward_kernels(
-            e, c, bias, targets, softcap, records_bounds=needs_grad and filter_eps is not None,
-            vocab_sorting=vocab_sorting)
-        # A row with an infinite logit has lse = +inf, and a NaN loss in PyTorch, whose
-        # log_softmax subtracts the row's maximum first (inf - inf).
-        token_loss = torch.where(lse == float("inf"), float("nan"), lse - target_logit)
-        loss = torch.where(targets >= 0, token_loss, 0.0)
-        ctx.save_for_backward(e, c, bias, targets, lse, order, tile_bound)
-        ctx.softcap = softcap
-        ctx.filter_eps = filter_eps
-        ctx.mass_correction = filter_correction and filter_eps is not None and softcap is None
-        return loss, lse
+    def forward(count: int, *tensors: torch.Tensor) -> "tuple[torch.Tensor, ...]":
+        return tuple(tensor.view_as(tensor) for tensor in tensors[:count])
 
     @staticmethod
-    def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
-        e, c, bias, targets, lse, order, tile_bound = ctx.saved_tensors
-        target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
-                        if grad_loss is not None else torch.zeros_like(lse))
-        prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
-        positions = target_positions(targets, order)
-        live = None
-        if tile_bound is not None:
-            live = recompute_table(tile_bound, lse, prob_scale, positions, e.dtype,
-                                   ctx.filter_eps)
-        grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
-            e, c, positions, bias, ctx.softcap, lse, prob_scale, target_scale, order, live,
-            ctx.filter_eps, needs_grad_e=ctx.needs_input_grad[0],
-            needs_grad_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
-            mass_correction=ctx.mass_correction)
-        return grad_e, grad_c, grad_bias, None, None, None, None, None, None
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "cce.linear_cross_entropy is differentiable once: its gradients have no gradient "
+            "of their own, so double backward (create_graph=True, e.g. a gradient penalty) is "
+            "not supported")
+
+
+loss_forward.register_autograd(_loss_forward_backward, setup_context=_loss_forward_setup_context)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """:func:`loss_forward` with its registered autograd formula, as an autograd.Function: the
+    public path when gradients are needed, since torch.func's transforms cannot yet
+    differentiate a custom op through its registered formula (pytorch/pytorch#170834), but can
+    this. (Without gradients the op is called directly: Dynamo fails on this Function when no
+    input requires grad.)"""
+
+    generate_vmap_rule = True
+
+    setup_context = staticmethod(_loss_forward_setup_context)
+    backward = staticmethod(_loss_forward_backward)
+
+    @staticmethod
+    def forward(*inputs):
+        return loss_forward(*inputs)  # the op itself is no function Dynamo can wrap
+
+
+def _or_empty(tensor: Optional[torch.Tensor], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """``tensor``, or an empty one for None (custom ops return tensors only)."""
+    return tensor if tensor is not None else torch.empty(0, dtype=dtype, device=device)
 
 
 def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
@@ -95,7 +258,6 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
              filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool):
     """Canonical-signature entry point of the Triton kernels (see :mod:`cce.loss`): CUDA
     tensors, or CPU tensors in Triton's interpreter."""
-    check_interpreter_usable()
     if e.shape[0] == 0:
         # No tokens: zero-size outputs that still connect every input to the graph.
         connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
@@ -103,9 +265,11 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
         return empty, empty.clone()
     if bias is not None:
         bias = bias.contiguous()  # the kernels index it with unit stride
+    # Grad mode is off inside the op, where the forward must know whether a backward follows.
     needs_grad = torch.is_grad_enabled() and any(
         tensor is not None and tensor.requires_grad for tensor in (e, c, bias))
-    loss, lse = LinearCrossEntropyFunction.apply(e, c, bias, targets.contiguous(), softcap,
-                                                 filter_eps, vocab_sorting, filter_correction,
-                                                 needs_grad)
+    arguments = (e, c, bias, targets.contiguous(), softcap, filter_eps, vocab_sorting,
+                 filter_correction, needs_grad)
+    loss, lse, _, _ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
+                       else loss_forward(*arguments))
     return loss, lse

@@ -9,10 +9,13 @@ the reshaping back to ``targets``' shape happen here, once, for all of them.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Callable, Literal, Optional, Union
 
+import numpy as np
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from cce import baselines
 from cce.cce_function import cce_loss
@@ -42,6 +45,10 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
 }
 REDUCTIONS = ("mean", "sum", "none")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TARGET_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.uint8, torch.uint16, torch.uint32, torch.uint64)
+_INTEGERS = (int, np.integer)  # numpy integer scalars too, as F.cross_entropy accepts
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def default_filter_eps(dtype: torch.dtype) -> float:
@@ -72,18 +79,24 @@ def linear_cross_entropy(
     float32. The loss is float32 whatever the input dtype.
 
     Args:
-        e: embeddings, shape (..., D), float32/float16/bfloat16.
-        c: classifier, shape (V, D), same dtype and device as ``e``.
-        targets: integer tensor of shape ``e.shape[:-1]``, values in [0, V) or ``ignore_index``
+        e: embeddings, shape (..., D), float32/float16/bfloat16 (D = 0 gives the logits
+            ``bias``, or 0, as ``e @ c.T`` does).
+        c: classifier, shape (V, D), same dtype and device as ``e``. Under torch.autocast on
+            their device, e, c and bias are first cast to the autocast dtype, as F.linear would
+            cast them; each still gets its gradient in its own dtype.
+        targets: integer tensor (any signed or unsigned integer dtype) of shape
+            ``e.shape[:-1]``, values in [0, V) or ``ignore_index``
             (else ``ValueError``; under torch.compile or CUDA graph capture, where the host
             cannot read the check, the loss is NaN instead).
         bias: optional (V,) bias added to every logit row.
-        ignore_index: target value that contributes neither loss nor gradient.
+        ignore_index: target value that contributes neither loss nor gradient (an int or a
+            numpy integer).
         softcap: logit soft-capping value (Gemma 2), or None.
         reduction: "mean" over non-ignored tokens, "sum", or "none" (shape of ``targets``,
             0 at ignored positions).
         shift: position i is scored against ``targets[..., i + shift]``; the last ``shift``
-            positions count as ignored (next-token prediction without slicing ``e``).
+            positions count as ignored (next-token prediction without slicing ``e``), and the
+            first ``shift`` targets are not used (nor range-checked).
         filter_eps: gradient filtering threshold: skip backward tiles whose softmax entries are
             all below it. "auto" is 2^-12 for bfloat16 (finfo(dtype).eps / 32 in general);
             None disables filtering (exact gradients).
@@ -103,15 +116,16 @@ def linear_cross_entropy(
     Returns:
         The loss, or ``(loss, lse)`` when ``return_lse`` is True.
     """
+    e, c, bias = _cast_as_linear_would(e, c, bias)
     _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
                      vocab_sorting, filter_correction, impl)
     eps = default_filter_eps(e.dtype) if filter_eps == "auto" else filter_eps
 
-    canonical_targets, out_of_range = _canonical_targets(targets, ignore_index, shift,
-                                                         c.shape[0])
+    canonical_targets, out_of_range = _canonical_targets(targets, operator.index(ignore_index),
+                                                         shift, c.shape[0])
     any_out_of_range = out_of_range.any()
     read_any_out_of_range = _start_host_read(any_out_of_range)
-    flat_e = e.reshape(-1, e.shape[-1])
+    flat_e = e.reshape(targets.numel(), e.shape[-1])  # not -1: D may be 0
     token_loss, lse = IMPLEMENTATIONS[impl](
         flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting,
         filter_correction
@@ -172,10 +186,19 @@ def _canonical_targets(targets: torch.Tensor, ignore_index: int, shift: int,
                        vocab_size: int) -> "tuple[torch.Tensor, torch.Tensor]":
     """int64 targets with -1 at ignored positions, already shifted, shape of ``targets``; and
     where ``targets`` is out of range (those count as ignored here, so that no kernel indexes
-    outside c before the caller raises)."""
-    valid = targets != ignore_index
-    out_of_range = valid & ((targets < 0) | (targets >= vocab_size))
-    canonical = torch.where(valid & ~out_of_range, targets.long(), -1)
+    outside c before the caller raises). The first ``shift`` targets, which no position is
+    scored against, are not checked."""
+    # In int64 whatever the dtype: comparisons in the targets' own dtype would wrap
+    # ignore_index around (-100 is 156 in uint8), and torch has none for uint16/32/64.
+    as_int64 = targets.long()
+    valid = as_int64 != ignore_index
+    if targets.dtype == torch.uint64:
+        # From 2^63 up, wrapped around to negative: out of range, never ignore_index.
+        valid = valid | (as_int64 < 0)
+    if shift:
+        valid = valid & (torch.arange(targets.shape[-1], device=targets.device) >= shift)
+    out_of_range = valid & ((as_int64 < 0) | (as_int64 >= vocab_size))
+    canonical = torch.where(valid & ~out_of_range, as_int64, -1)
     if shift:
         ignored_tail = torch.full_like(canonical[..., :shift], -1)
         canonical = torch.cat([canonical[..., shift:], ignored_tail], dim=-1)
@@ -187,7 +210,7 @@ def _start_host_read(flag: torch.Tensor) -> Optional[Callable[[], bool]]:
     cannot read it (torch.compile, CUDA graph capture). On a GPU the flag is copied to pinned
     memory and read only once the loss's kernels are queued behind it: the host waits for the
     work queued before the flag, as a sync would, but the GPU has the loss to run meanwhile."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _holds_no_data(flag):
         return None
     if flag.device.type != "cuda":
         return lambda: bool(flag)
@@ -203,6 +226,34 @@ def _start_host_read(flag: torch.Tensor) -> Optional[Callable[[], bool]]:
         return bool(host_flag)
 
     return read
+
+
+def _cast_as_linear_would(e, c, bias):
+    """Under torch.autocast on e's device, e, c and bias in the autocast dtype, as F.linear
+    would multiply them (autocast casts a matmul's float16/bfloat16/float32 inputs on its
+    device); else unchanged. The casts are differentiable: each leaf gets its gradient in its
+    own dtype."""
+    if not isinstance(e, torch.Tensor):
+        return e, c, bias  # the argument checks say why
+    device_type = e.device.type
+    if not (torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type)):
+        return e, c, bias
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(tensor):
+        eligible = (isinstance(tensor, torch.Tensor) and tensor.dtype in FLOAT_DTYPES
+                    and tensor.device.type == device_type)
+        return tensor.to(dtype) if eligible else tensor
+
+    return cast(e), cast(c), cast(bias)
+
+
+def _holds_no_data(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s value cannot be read here: a meta or fake tensor (shape
+    propagation), or a tensor batched by torch.func.vmap, whose values differ per sample."""
+    return (tensor.device.type == "meta" or is_fake(tensor)
+            or torch._C._functorch.is_functorch_wrapped_tensor(tensor))
 
 
 def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
@@ -225,7 +276,7 @@ def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shif
         raise ValueError(f"c has dtype {c.dtype} but e has dtype {e.dtype}: they must match")
     if c.device != e.device:
         raise ValueError(f"c is on {c.device} but e is on {e.device}: they must match")
-    if targets.dtype == torch.bool or targets.dtype.is_floating_point or targets.is_complex():
+    if targets.dtype not in TARGET_DTYPES:
         raise ValueError(f"targets must be an integer tensor, got {targets.dtype}")
     if targets.shape != e.shape[:-1]:
         raise ValueError(f"targets has shape {tuple(targets.shape)} but must have e.shape[:-1] = "
@@ -245,8 +296,9 @@ def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shif
 
 def _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
                    filter_correction, impl) -> None:
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    if (isinstance(ignore_index, bool) or not isinstance(ignore_index, _INTEGERS)
+            or not _INT64_MIN <= ignore_index <= _INT64_MAX):
+        raise ValueError(f"ignore_index must be an int (int64), got {ignore_index!r}")
     if softcap is not None and not (_is_number(softcap) and math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
     if reduction not in REDUCTIONS:

@@ -9,7 +9,6 @@ spare buffer; the gradients must match the float64 reference whatever the path.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
@@ -18,7 +17,7 @@ import torch
 
 import cce.backward
 import cce.sparse_tile_matmul
-from cce.cce_function import LinearCrossEntropyFunction
+from cce.cce_function import loss_backward, loss_forward
 from cce.config import kernel_configs
 from cce.live_lists import live_lists
 from cce.partial_sums import sum_partials
@@ -207,21 +206,17 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
     listed = _spy(monkeypatch, "listed_gradient_tiles")
     vocab, dim = _shape(torch.bfloat16)
     e, c, targets = peaked_inputs(gen, device, N, vocab, dim)
-    e = e.bfloat16().requires_grad_()
-    c = c.bfloat16().requires_grad_()
-    loss, _ = LinearCrossEntropyFunction.apply(e, c, None, targets, None, 2.0**-12, True, True,
-                                               True)
-    forward = loss.grad_fn
+    e, c = e.bfloat16(), c.bfloat16()
+    _, lse, order, tile_bound = loss_forward(e, c, None, targets, None, 2.0**-12, True, True,
+                                             True)
     grad_loss = torch.rand(N, generator=gen).to(device)
 
     def grad_c(with_grad_e: bool) -> "tuple[torch.Tensor, int]":
         listed.clear()
-        *saved, tile_bound = forward.saved_tensors
-        context = SimpleNamespace(saved_tensors=(*saved, tile_bound + 4.0), softcap=None,
-                                  filter_eps=2.0**-12, mass_correction=True,
-                                  needs_input_grad=(with_grad_e, True, False))
-        gradients = LinearCrossEntropyFunction.backward(context, grad_loss, None)
-        return gradients[1], sum(int(args[11].counts.sum()) for args in listed)
+        _, gradient, _ = loss_backward(e, c, None, targets, lse, order, tile_bound + 4.0,
+                                       grad_loss, None, None, 2.0**-12, True,
+                                       needs_grad_e=with_grad_e, needs_grad_c=True)
+        return gradient, sum(int(args[11].counts.sum()) for args in listed)
 
     beside, stored_beside = grad_c(with_grad_e=True)
     alone, listed_alone = grad_c(with_grad_e=False)

@@ -12,10 +12,12 @@ import math
 import re
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
 import cce
+from tests.reference import reference, relative_error
 
 V, D = 10, 16
 IMPLS = ("cce", "cce_torch", "torch", "torch_compile", "chunked")
@@ -61,6 +63,8 @@ BAD_ARGUMENTS: "list[tuple[str, Change, tuple[str, ...]]]" = [
     ("c-not-2d", lambda a: a.update(c=a["c"][None]), ("c",)),
     ("targets-float", lambda a: a.update(targets=a["targets"].float()), ("targets",)),
     ("targets-bool", lambda a: a.update(targets=a["targets"] > 0), ("targets",)),
+    ("targets-complex", lambda a: a.update(targets=a["targets"].to(torch.complex64)),
+     ("targets",)),
     ("targets-shape", lambda a: a.update(targets=a["targets"][:, :5]), ("targets",)),
     ("targets-flattened", lambda a: a.update(targets=a["targets"].reshape(-1)), ("targets",)),
     ("target-equals-V", lambda a: a["targets"].__setitem__((1, 2), V), ("targets",)),
@@ -83,6 +87,11 @@ BAD_ARGUMENTS: "list[tuple[str, Change, tuple[str, ...]]]" = [
     ("softcap-zero", lambda a: a.update(softcap=0.0), ("softcap",)),
     ("softcap-negative", lambda a: a.update(softcap=-30.0), ("softcap",)),
     ("ignore_index-float", lambda a: a.update(ignore_index=-100.0), ("ignore_index",)),
+    ("ignore_index-numpy-float", lambda a: a.update(ignore_index=np.float64(-100)),
+     ("ignore_index",)),
+    ("ignore_index-beyond-int64",  # as F.cross_entropy; no target equal to -100 left
+     lambda a: (a["targets"].__setitem__((0, 0), 1), a.update(ignore_index=2**63)),
+     ("ignore_index",)),
     ("vocab_sorting-string", lambda a: a.update(vocab_sorting="yes"), ("vocab_sorting",)),
     ("filter_correction-int", lambda a: a.update(filter_correction=1), ("filter_correction",)),
 ]
@@ -119,6 +128,65 @@ def test_out_of_range_target_poisons_the_loss_where_the_host_cannot_check(
     assert torch.isnan(call(arguments, impl=impl))
     arguments = valid_arguments(device)
     assert torch.isfinite(call(arguments, impl=impl))
+
+
+TARGET_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16,
+                 torch.uint32, torch.uint64)
+
+
+@pytest.mark.parametrize("impl", COMPUTE_IMPLS)
+@pytest.mark.parametrize("dtype", TARGET_DTYPES, ids=lambda dtype: str(dtype)[6:])
+def test_every_integer_target_dtype_is_accepted(dtype: torch.dtype, impl: str,
+                                                device: str) -> None:
+    """Targets of any integer dtype score as their int64 values; a negative ignore_index, which
+    no unsigned target can equal, ignores nothing (uint8's 156 is not -100)."""
+    arguments = valid_arguments(device)
+    targets = arguments.pop("targets")
+    targets[0, 0] = 7  # no -100: not every dtype holds it
+    expected = call(dict(arguments, targets=targets), impl=impl, reduction="none")
+    loss = call(dict(arguments, targets=targets.to(dtype)), impl=impl, reduction="none")
+    assert torch.equal(loss, expected)
+
+
+def test_unsigned_targets_are_compared_to_ignore_index_as_integers(device: str) -> None:
+    arguments = valid_arguments(device)
+    targets = arguments.pop("targets")
+    targets[0, 0] = 156  # -100 in uint8 arithmetic
+    arguments["c"] = torch.randn(200, D, device=device)
+    expected = call(dict(arguments, targets=targets), reduction="none", impl="torch")
+    loss = call(dict(arguments, targets=targets.to(torch.uint8)), reduction="none")
+    assert loss[0, 0] > 0 and torch.allclose(loss, expected)
+
+
+def test_uint64_target_beyond_int64_is_out_of_range(device: str) -> None:
+    """2^64 - 100 is -100 as an int64, but it is no ignore_index: it is out of range."""
+    arguments = valid_arguments(device)
+    targets = arguments.pop("targets").to(torch.uint64)
+    targets[1, 2] = torch.tensor(2**64 - 100, dtype=torch.uint64)
+    with pytest.raises(ValueError, match=names("targets")):
+        call(dict(arguments, targets=targets))
+
+
+@pytest.mark.parametrize("ignore_index", [np.int64(-100), np.int32(-100), np.int16(-100)],
+                         ids=["int64", "int32", "int16"])
+def test_numpy_integer_ignore_index_is_accepted(ignore_index, device: str) -> None:
+    """As F.cross_entropy accepts it."""
+    arguments = valid_arguments(device)
+    expected = call(dict(arguments), reduction="none")
+    assert torch.equal(call(arguments, ignore_index=ignore_index, reduction="none"), expected)
+
+
+@pytest.mark.parametrize("impl", COMPUTE_IMPLS)
+def test_targets_that_shift_drops_are_not_checked(impl: str, device: str) -> None:
+    """With shift=1 no position is scored against targets[..., 0]: an out-of-range value there
+    changes nothing, while one at the last position, which is scored, still raises."""
+    arguments = valid_arguments(device)
+    expected = call(dict(arguments), impl=impl, shift=1, reduction="none")
+    arguments["targets"][:, 0] = V
+    assert torch.equal(call(dict(arguments), impl=impl, shift=1, reduction="none"), expected)
+    arguments["targets"][2, -1] = V
+    with pytest.raises(ValueError, match=names("targets")):
+        call(arguments, impl=impl, shift=1)
 
 
 @pytest.mark.parametrize("option, value", [("reduction", "avg"), ("impl", "triton"),
@@ -184,3 +252,29 @@ def test_empty_batch(impl: str, reduction: str, batch_shape: tuple, device: str)
     assert lse.shape == targets.shape and lse.dtype == torch.float32
     assert grad_e.shape == e.shape and grad_c.shape == c.shape and grad_bias.shape == (V,)
     assert torch.all(grad_c == 0) and torch.all(grad_bias == 0)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("impl", COMPUTE_IMPLS)
+def test_zero_dimensions_score_the_bias_alone(impl: str, softcap, device: str) -> None:
+    """D = 0, as in F.cross_entropy(e @ c.T + bias): every row's logits are the bias (log V
+    without one); dE and dC are zero-size, dbias is the bias's own gradient."""
+    gen = torch.Generator().manual_seed(0)
+    e = torch.empty(4, 6, 0, device=device)
+    c = torch.empty(V, 0, device=device)
+    bias = torch.randn(V, generator=gen).to(device)
+    targets = valid_arguments(device)["targets"]
+    grad_output = torch.rand(targets.shape, generator=gen).to(device)
+    expected = reference(e, c, targets, bias=bias, softcap=softcap, reduction="none",
+                         grad_output=grad_output)
+    e, c, bias = (tensor.requires_grad_() for tensor in (e, c, bias))
+    loss, lse = cce.linear_cross_entropy(e, c, targets, bias=bias, softcap=softcap,
+                                         reduction="none", return_lse=True, impl=impl)
+    grad_e, grad_c, grad_bias = torch.autograd.grad(loss, [e, c, bias], grad_output)
+    assert grad_e.shape == e.shape and grad_c.shape == c.shape
+    for result, wanted in ((loss, expected.loss), (lse, expected.lse),
+                           (grad_bias, expected.grad_bias)):
+        assert relative_error(result, wanted) <= 1e-6
+
+    loss = cce.linear_cross_entropy(e, c, targets, impl=impl, reduction="none")
+    assert torch.allclose(loss[targets != -100], torch.tensor(math.log(V), device=device))
