@@ -12,6 +12,7 @@ from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.live_tiles import live_tiles
 from cce.vocab_order import target_positions, vocab_order
+from cce.weighting import LossWeighting, RankOneTerm
 
 
 class ForwardResults(NamedTuple):
@@ -25,16 +26,19 @@ class ForwardResults(NamedTuple):
 
 def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                     targets: torch.Tensor, softcap: Optional[float], records_bounds: bool,
-                    vocab_sorting: bool) -> ForwardResults:
+                    vocab_sorting: bool, *, logit_sum: Optional[torch.Tensor] = None,
+                    class_weight: Optional[torch.Tensor] = None) -> ForwardResults:
     """Run the forward's kernels: vocabulary order, indexed dot, linear-log-sum-exp.
     ``records_bounds``: a filtering backward will follow, so the forward records the bounds of
     the live grid's tiles (else None) and, with ``vocab_sorting``, sorts the vocabulary first
-    (else the order is None: sorting only serves the backward's skipping)."""
+    (else the order is None: sorting only serves the backward's skipping). ``logit_sum``,
+    ``class_weight``: see :func:`cce.lse_forward.lse_forward`."""
     order = vocab_order(e, c, bias, targets) if records_bounds and vocab_sorting else None
     target_logit = indexed_dot(e, c, targets, bias, softcap)
     # The target logits double as lower bounds of the LSE for the tile bounds.
     lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
-                                  target_logit if records_bounds else None)
+                                  target_logit if records_bounds else None,
+                                  logit_sum=logit_sum, class_weight=class_weight)
     return ForwardResults(order, target_logit, lse, tile_bound)
 
 
@@ -50,33 +54,43 @@ def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: tor
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Per-token loss and LSE, float32 (N,); targets are canonical (int64, -1 = ignored)."""
+    """Per-token loss (F.cross_entropy's, ``weighting`` included) and LSE, float32 (N,);
+    targets are canonical (int64, -1 = ignored)."""
 
     @staticmethod
     def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, softcap: Optional[float], filter_eps: Optional[float],
-                vocab_sorting: bool, filter_correction: bool, needs_grad: bool):
+                vocab_sorting: bool, filter_correction: bool, needs_grad: bool,
+                weighting: LossWeighting = LossWeighting()):
         # needs_grad comes from outside: grad mode is always off in here, and
         # ctx.needs_input_grad is True under torch.no_grad too.
+        smoothing = weighting.label_smoothing != 0
+        logit_sum = torch.zeros_like(targets, dtype=torch.float32) if smoothing else None
         order, target_logit, lse, tile_bound = forward_kernels(
             e, c, bias, targets, softcap, records_bounds=needs_grad and filter_eps is not None,
-            vocab_sorting=vocab_sorting)
+            vocab_sorting=vocab_sorting, logit_sum=logit_sum, class_weight=weighting.weight)
         # A row with an infinite logit has lse = +inf, and a NaN loss in PyTorch, whose
         # log_softmax subtracts the row's maximum first (inf - inf).
-        token_loss = torch.where(lse == float("inf"), float("nan"), lse - target_logit)
-        loss = torch.where(targets >= 0, token_loss, 0.0)
+        cross_entropy = torch.where(lse == float("inf"), float("nan"), lse - target_logit)
+        loss = weighting.token_loss(cross_entropy, lse, logit_sum, targets, c.shape[0])
         ctx.save_for_backward(e, c, bias, targets, lse, order, tile_bound)
         ctx.softcap = softcap
         ctx.filter_eps = filter_eps
         ctx.mass_correction = filter_correction and filter_eps is not None and softcap is None
+        ctx.weighting = weighting
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
         e, c, bias, targets, lse, order, tile_bound = ctx.saved_tensors
-        target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
-                        if grad_loss is not None else torch.zeros_like(lse))
-        prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
+        if grad_loss is None:
+            grad_loss = torch.zeros_like(lse)
+        prob_scale, target_scale, uniform_scale = ctx.weighting.gradient_scales(
+            grad_loss, targets, c.shape[0])
+        if grad_lse is not None:
+            prob_scale = prob_scale + grad_lse.float()
+        rank_one = (RankOneTerm(uniform_scale, ctx.weighting.weight)
+                    if uniform_scale is not None else None)
         positions = target_positions(targets, order)
         live = None
         if tile_bound is not None:
@@ -86,13 +100,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             e, c, positions, bias, ctx.softcap, lse, prob_scale, target_scale, order, live,
             ctx.filter_eps, needs_grad_e=ctx.needs_input_grad[0],
             needs_grad_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
-            mass_correction=ctx.mass_correction)
-        return grad_e, grad_c, grad_bias, None, None, None, None, None, None
+            mass_correction=ctx.mass_correction, rank_one=rank_one)
+        return grad_e, grad_c, grad_bias, None, None, None, None, None, None, None
 
 
 def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
              bias: Optional[torch.Tensor], softcap: Optional[float],
-             filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool):
+             filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
+             weighting: LossWeighting = LossWeighting()):
     """Canonical-signature entry point (see :mod:`cce.loss`)."""
     check_interpreter_usable()
     device = e.device
@@ -101,6 +116,7 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
         # there and the results (and gradients, through autograd) come back to the CPU.
         e, c, targets = e.cuda(), c.cuda(), targets.cuda()
         bias = bias.cuda() if bias is not None else None
+        weighting = weighting.to(e.device)
     if e.shape[0] == 0:
         # No tokens: zero-size outputs that still connect every input to the graph.
         connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
@@ -112,5 +128,5 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
         tensor is not None and tensor.requires_grad for tensor in (e, c, bias))
     loss, lse = LinearCrossEntropyFunction.apply(e, c, bias, targets.contiguous(), softcap,
                                                  filter_eps, vocab_sorting, filter_correction,
-                                                 needs_grad)
+                                                 needs_grad, weighting)
     return loss.to(device), lse.to(device)
