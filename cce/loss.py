@@ -84,19 +84,21 @@ def linear_cross_entropy(
             the paper: it removes most of the filter's error on language-model data, whose
             classifier rows share a direction). Not applied with ``softcap``, whose derivative
             the dropped entries' sum does not carry. False: the paper's filter.
-        return_lse: also return the log-sum-exp of every row, shape of ``targets``.
+        return_lse: also return the log-sum-exp of every row, shape of ``targets`` (of the
+            logits alone: ``weight`` and ``label_smoothing`` do not enter it).
         impl: "cce" (Triton kernels), "torch" (materialized logits), "torch_compile" or
             "chunked" (8 compiled chunks, torchtune-style).
         weight: class weights, shape (V,), as in F.cross_entropy: each token's loss is scaled
             by its target's weight, and with label smoothing the uniform part is weighted too.
-            float32, float16 or bfloat16 whatever the dtype of ``e`` (used in float32), on the
-            device of ``e``; not differentiable (must not require grad).
+            Any floating-point dtype, whatever the dtype of ``e`` (the loss uses it in
+            float32); on the device of ``e``; not differentiable (must not require grad).
         label_smoothing: in [0, 1], as in F.cross_entropy: the target distribution is
             ``(1 - label_smoothing) * onehot + label_smoothing / V``. Its gradient reaches every
             classifier row, but in closed form: the filter still skips the tiles it would skip
-            without it. (With ``softcap``, the share of that gradient that the softcap's
-            curvature makes non-uniform, at most ``label_smoothing * |weight| / V`` per logit,
-            is dropped with the skipped tiles.)
+            without it. (With ``softcap``, the part of that gradient that the cap's curvature
+            makes non-uniform is dropped with the skipped tiles, as their small softmax entries
+            are: per logit, at most ``label_smoothing * |weight[v]| / V`` times the token's
+            upstream gradient.)
 
     Returns:
         The loss, or ``(loss, lse)`` when ``return_lse`` is True.
@@ -260,8 +262,8 @@ def _check_weight(weight, vocab_size: Optional[int] = None,
         expected = "V" if vocab_size is None else vocab_size
         raise ValueError(f"weight must have shape ({expected},) (one weight per class), got "
                          f"{tuple(weight.shape)}")
-    if weight.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"weight must be float32, float16 or bfloat16, got {weight.dtype}")
+    if not weight.dtype.is_floating_point:
+        raise ValueError(f"weight must have a floating-point dtype, got {weight.dtype}")
     if device is not None and weight.device != device:
         raise ValueError(f"weight is on {weight.device} but e is on {device}: they must match")
     if weight.requires_grad:
