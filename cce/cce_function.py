@@ -54,43 +54,43 @@ def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: tor
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Per-token loss (F.cross_entropy's, ``weighting`` included) and LSE, float32 (N,);
-    targets are canonical (int64, -1 = ignored)."""
+    """Per-token loss (F.cross_entropy's, with class ``weight`` and ``label_smoothing``) and
+    LSE, float32 (N,); targets are canonical (int64, -1 = ignored)."""
 
     @staticmethod
     def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, softcap: Optional[float], filter_eps: Optional[float],
                 vocab_sorting: bool, filter_correction: bool, needs_grad: bool,
-                weighting: LossWeighting = LossWeighting()):
+                weight: Optional[torch.Tensor] = None, label_smoothing: float = 0.0):
         # needs_grad comes from outside: grad mode is always off in here, and
         # ctx.needs_input_grad is True under torch.no_grad too.
-        smoothing = weighting.label_smoothing != 0
+        weighting = LossWeighting(weight, label_smoothing)
+        smoothing = label_smoothing != 0
         logit_sum = torch.zeros_like(targets, dtype=torch.float32) if smoothing else None
         order, target_logit, lse, tile_bound = forward_kernels(
             e, c, bias, targets, softcap, records_bounds=needs_grad and filter_eps is not None,
-            vocab_sorting=vocab_sorting, logit_sum=logit_sum, class_weight=weighting.weight)
+            vocab_sorting=vocab_sorting, logit_sum=logit_sum, class_weight=weight)
         # A row with an infinite logit has lse = +inf, and a NaN loss in PyTorch, whose
         # log_softmax subtracts the row's maximum first (inf - inf).
         cross_entropy = torch.where(lse == float("inf"), float("nan"), lse - target_logit)
         loss = weighting.token_loss(cross_entropy, lse, logit_sum, targets, c.shape[0])
-        ctx.save_for_backward(e, c, bias, targets, lse, order, tile_bound)
+        ctx.save_for_backward(e, c, bias, targets, lse, order, weight, tile_bound)
         ctx.softcap = softcap
         ctx.filter_eps = filter_eps
         ctx.mass_correction = filter_correction and filter_eps is not None and softcap is None
-        ctx.weighting = weighting
+        ctx.label_smoothing = label_smoothing
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
-        e, c, bias, targets, lse, order, tile_bound = ctx.saved_tensors
+        e, c, bias, targets, lse, order, weight, tile_bound = ctx.saved_tensors
         if grad_loss is None:
             grad_loss = torch.zeros_like(lse)
-        prob_scale, target_scale, uniform_scale = ctx.weighting.gradient_scales(
-            grad_loss, targets, c.shape[0])
+        prob_scale, target_scale, uniform_scale = LossWeighting(
+            weight, ctx.label_smoothing).gradient_scales(grad_loss, targets, c.shape[0])
         if grad_lse is not None:
             prob_scale = prob_scale + grad_lse.float()
-        rank_one = (RankOneTerm(uniform_scale, ctx.weighting.weight)
-                    if uniform_scale is not None else None)
+        rank_one = RankOneTerm(uniform_scale, weight) if uniform_scale is not None else None
         positions = target_positions(targets, order)
         live = None
         if tile_bound is not None:
@@ -101,7 +101,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.filter_eps, needs_grad_e=ctx.needs_input_grad[0],
             needs_grad_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
             mass_correction=ctx.mass_correction, rank_one=rank_one)
-        return grad_e, grad_c, grad_bias, None, None, None, None, None, None, None
+        return (grad_e, grad_c, grad_bias) + (None,) * 8
 
 
 def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
@@ -128,5 +128,6 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
         tensor is not None and tensor.requires_grad for tensor in (e, c, bias))
     loss, lse = LinearCrossEntropyFunction.apply(e, c, bias, targets.contiguous(), softcap,
                                                  filter_eps, vocab_sorting, filter_correction,
-                                                 needs_grad, weighting)
+                                                 needs_grad, weighting.weight,
+                                                 weighting.label_smoothing)
     return loss.to(device), lse.to(device)

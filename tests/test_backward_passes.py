@@ -22,7 +22,6 @@ from cce.cce_function import LinearCrossEntropyFunction
 from cce.config import kernel_configs
 from cce.live_lists import live_lists
 from cce.partial_sums import sum_partials
-from cce.weighting import LossWeighting
 from tests.helpers import (check, make_grad_output, make_inputs, peaked_inputs,
                            run_reference)
 from tests.reference import relative_error
@@ -220,7 +219,7 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
         *saved, tile_bound = forward.saved_tensors
         context = SimpleNamespace(saved_tensors=(*saved, tile_bound + 4.0), softcap=None,
                                   filter_eps=2.0**-12, mass_correction=True,
-                                  weighting=LossWeighting(),
+                                  label_smoothing=0.0,
                                   needs_input_grad=(with_grad_e, True, False))
         gradients = LinearCrossEntropyFunction.backward(context, grad_loss, None)
         return gradients[1], sum(int(args[11].counts.sum()) for args in listed)

@@ -186,8 +186,9 @@ def test_matches_torch_linear_cross_entropy(impl: str, weighting: str, reduction
 def test_smoothing_keeps_no_tile_live_and_reaches_the_skipped_ones(
         device: str, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """The backward recomputes the same tiles with label smoothing as without (its rank-one
-    term is added in closed form), some of them are skipped, and the gradients still match the
-    reference: the smoothing's gradient reaches the classifier rows of the skipped tiles."""
+    term is added in closed form), whole vocabulary blocks of them are skipped, and the
+    gradients still match the reference: the smoothing's gradient reaches the classifier rows
+    whose tiles were all skipped."""
     tables = []
 
     def recording_recompute_table(*args, **kwargs):
@@ -197,6 +198,8 @@ def test_smoothing_keeps_no_tile_live_and_reaches_the_skipped_ones(
     original = cce.cce_function.recompute_table
     monkeypatch.setattr(cce.cce_function, "recompute_table", recording_recompute_table)
     e, c, targets = peaked_inputs(gen, device, 45, 1500, D)
+    # Likely targets, as a language model's are: the tail of the vocabulary holds none.
+    targets = torch.where(targets >= 0, (e @ c.T).argmax(dim=1), -1)
     inputs = Inputs(e.bfloat16(), c.bfloat16(), targets, options=dict(ignore_index=-1))
     grad_output = make_grad_output(gen, inputs, "mean")
     weight = class_weights(gen, 1500).to(device)
@@ -205,7 +208,7 @@ def test_smoothing_keeps_no_tile_live_and_reaches_the_skipped_ones(
 
     plain, smoothed = tables
     assert torch.equal(smoothed, plain)
-    assert bool((smoothed == 0).any()), "the test needs skipped tiles"
+    assert bool((smoothed.sum(dim=0) == 0).any()), "the test needs wholly skipped blocks"
 
 
 # --- The module, the Hugging Face patch, bad values ------------------------------------------
@@ -284,3 +287,29 @@ def test_bad_values_raise_value_error_naming_the_argument(bad, name: str, device
 def test_module_checks_them_when_constructed(bad: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         cce.LinearCrossEntropy(**bad)
+
+
+# --- The benchmark's reference ---------------------------------------------------------------
+
+
+def test_bench_reference_with_label_smoothing_matches_autograd() -> None:
+    """The benchmark's chunked float64 reference, which its label-smoothing row is measured
+    against, is F.cross_entropy's with label_smoothing."""
+    from experiments.harness import float64_reference
+
+    generator = torch.Generator().manual_seed(0)
+    e = torch.randn(37, 12, generator=generator)
+    c = torch.randn(V, 12, generator=generator)
+    targets = torch.randint(0, V, (37,), generator=generator)
+    targets[::4] = -100
+    # 5 rows of logits per chunk: 8 chunks, the last one short.
+    loss, grad_e, grad_c = float64_reference(e, c, targets, chunk_bytes=8 * V * 5,
+                                             label_smoothing=SMOOTHING)
+
+    e64 = e.double().requires_grad_()
+    c64 = c.double().requires_grad_()
+    expected = F.cross_entropy(e64 @ c64.T, targets, label_smoothing=SMOOTHING)
+    expected_e, expected_c = torch.autograd.grad(expected, (e64, c64))
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad_e, expected_e, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(grad_c, expected_c, rtol=1e-12, atol=1e-15)
