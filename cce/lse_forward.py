@@ -15,6 +15,9 @@ Being per row, it stays tight when the LSE differs between the rows of a tile, a
 Tiles follow ``vocab_order`` when given (vocabulary sorting), so that the forward's and the
 backward's tiles are the same, and the head of the vocabulary, which holds most of the mass, is
 merged first.
+
+For label smoothing it also adds up each row's (class-weighted) sum of logits, merged under the
+same lock as the LSE (:mod:`cce.weighting`).
 """
 
 from __future__ import annotations

@@ -49,12 +49,8 @@ class LossWeighting(NamedTuple):
     weight: Optional[torch.Tensor] = None  # float32 (V,); None: every class weighs 1
     label_smoothing: float = 0.0
 
-    @property
-    def is_plain(self) -> bool:
-        """Whether the loss is the plain cross-entropy (no weights, no smoothing)."""
-        return self.weight is None and self.label_smoothing == 0
-
     def to(self, device: torch.device) -> "LossWeighting":
+        """The same, with the weights on ``device``."""
         return self._replace(weight=None if self.weight is None else self.weight.to(device))
 
     def target_weight(self, targets: torch.Tensor) -> torch.Tensor:
