@@ -20,6 +20,8 @@ block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
 Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; every gradient
 is accumulated in float32 on-chip and written once, without atomics, so the result is
 deterministic (the filter correction's kept mass is added up atomically, but in integers).
+Label smoothing's rank-one term of G, which has an entry in every tile, is added by the products
+in closed form (:mod:`cce.sparse_tile_matmul`), so it keeps no tile live.
 Tiles that the forward's bounds prove negligible (``live_tiles``) are never recomputed; pass 1
 records which tiles survive the exact filter, so pass 2 only recomputes those.
 """
@@ -37,9 +39,10 @@ from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, sm_utilization,
 from cce.gradient_tiles import gradient_tiles, listed_gradient_tiles
 from cce.live_lists import TileLists
 from cce.scratch import Scratch, rows_can_hold_segments
-from cce.sparse_tile_matmul import (MassCorrection, embeddings_product_programs,
-                                    gradient_times_classifier, gradient_times_embeddings,
-                                    product_programs_per_block)
+from cce.sparse_tile_matmul import (MassCorrection, RankOneUpdate,
+                                    embeddings_product_programs, gradient_times_classifier,
+                                    gradient_times_embeddings, product_programs_per_block)
+from cce.weighting import RankOneTerm
 
 
 def linear_cross_entropy_backward(
@@ -48,15 +51,18 @@ def linear_cross_entropy_backward(
     prob_scale: torch.Tensor,
     target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
     live_tiles: Optional[torch.Tensor], filter_eps: Optional[float], needs_grad_e: bool,
-    needs_grad_c: bool, mass_correction: bool = False, keep_tiles: bool = False,
+    needs_grad_c: bool, mass_correction: bool = False,
+    rank_one: Optional[RankOneTerm] = None, keep_tiles: bool = False,
 ) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
     """(dE, dC, dbias), each None when not needed. ``target_positions``: see
     :func:`cce.vocab_order.target_positions`; ``live_tiles``: the live-grid table of tiles that
     may hold a significant entry (None: every tile may); ``mass_correction``: dE gets back what
     the filter dropped, estimated along the mean classifier row (:mod:`cce.sparse_tile_matmul`;
-    needs ``filter_eps`` and no softcap); ``keep_tiles``: when both gradients are needed and the
-    host may wait, recompute every live tile once into a buffer of its own and run both
-    products from it (:func:`_kept_tiles_backward`), instead of the two bounded passes."""
+    needs ``filter_eps`` and no softcap); ``rank_one``: the rank-one term of the logits'
+    gradient (label smoothing, :mod:`cce.weighting`), or None; ``keep_tiles``: when both
+    gradients are needed and the host may wait, recompute every live tile once into a buffer of
+    its own and run both products from it (:func:`_kept_tiles_backward`), instead of the two
+    bounded passes."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     grid = kernel_configs(e.dtype).live_grid
@@ -73,7 +79,7 @@ def linear_cross_entropy_backward(
         correction = MassCorrection.of(c, prob_scale) if mass_correction else None
         _kept_tiles_backward(e, c, target_positions, bias, softcap, lse, prob_scale,
                              target_scale, vocab_order, live_tiles, filter_eps, correction,
-                             grad_e, grad_c, grad_bias)
+                             rank_one, grad_e, grad_c, grad_bias)
         return grad_e, grad_c, grad_bias
 
     grad_e = None
@@ -86,14 +92,15 @@ def linear_cross_entropy_backward(
                                   e.device)
         room = _room_after(scratch, chunk * row_segments)
         correction = MassCorrection.of(c, prob_scale) if mass_correction else None
+        update = RankOneUpdate.for_embeddings(rank_one, c) if rank_one is not None else None
         for first in range(0, num_token_blocks, chunk):
             token_blocks = range(first, min(first + chunk, num_token_blocks))
             gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
                            vocab_order, live_tiles, filter_eps, flags, scratch, token_blocks,
                            range(num_vocab_blocks),
-                           correction.kept_mass if correction is not None else None)
+                           correction.kept_mass if correction is not None else None, rank_one)
             gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e, token_blocks, room,
-                                      correction)
+                                      correction, update)
         del scratch, room
 
     if needs_grad_c:
@@ -108,6 +115,7 @@ def linear_cross_entropy_backward(
         # Vocabulary positions -> rows of dC: the free rows are those of later positions.
         position_rows = (vocab_order if vocab_order is not None else
                          torch.arange(vocab_size, dtype=torch.int32, device=c.device))
+        update = RankOneUpdate.for_classifier(rank_one, e) if rank_one is not None else None
         spare = None
         for vocab_blocks, in_spare in _classifier_chunks(
                 tiles_per_block, vocab_size, dim, grid.block_tokens, grid.block_vocab,
@@ -126,15 +134,16 @@ def linear_cross_entropy_backward(
             listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale,
                                   target_scale, vocab_order,
                                   None if needs_grad_e else filter_eps, scratch, chunk_lists,
-                                  longest_list, vocab_blocks)
+                                  longest_list, vocab_blocks, rank_one=rank_one)
             gradient_times_classifier(scratch, chunk_lists, e, vocab_order, grad_c, grad_bias,
-                                      vocab_blocks)
+                                      vocab_blocks, update)
     return grad_e, grad_c, grad_bias
 
 
 def _kept_tiles_backward(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
                          vocab_order, live_tiles, filter_eps,
-                         correction: Optional[MassCorrection], grad_e: torch.Tensor,
+                         correction: Optional[MassCorrection],
+                         rank_one: Optional[RankOneTerm], grad_e: torch.Tensor,
                          grad_c: torch.Tensor, grad_bias: Optional[torch.Tensor]) -> None:
     """Both gradients from one recompute of every tile the table keeps live: the tiles go to a
     buffer of their own, one slot each (live tiles x BLOCK_TOKENS x BLOCK_VOCAB elements, one
@@ -154,9 +163,10 @@ def _kept_tiles_backward(e, c, target_positions, bias, softcap, lse, prob_scale,
     listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
                           vocab_order, filter_eps, scratch, tile_lists, int(counts.max()),
                           all_vocab_blocks,
-                          correction.kept_mass if correction is not None else None)
+                          correction.kept_mass if correction is not None else None, rank_one)
     gradient_times_classifier(scratch, tile_lists, e, vocab_order, grad_c, grad_bias,
-                              all_vocab_blocks)
+                              all_vocab_blocks,
+                              RankOneUpdate.for_classifier(rank_one, e) if rank_one is not None else None)
     # slot_map[t, v] = the slot of tile (t, v): the k-th of vocabulary block v's list is in
     # slot first_slots[v] + k.
     entries = torch.arange(num_token_blocks, device=e.device)
@@ -168,6 +178,8 @@ def _kept_tiles_backward(e, c, target_positions, bias, softcap, lse, prob_scale,
         tile_lists.first_slots[:, None] + entries[None, :].int())[listed]
     gradient_times_embeddings(scratch, live_tiles, c, vocab_order, grad_e,
                               range(num_token_blocks), mass_correction=correction,
+                              rank_one=(RankOneUpdate.for_embeddings(rank_one, c) if rank_one is not None
+                                        else None),
                               slot_map=slot_map)
 
 

@@ -4,6 +4,7 @@
 float32 as Hugging Face transformers does. ``torch_compile_loss`` is the same function under
 torch.compile; ``chunked_loss`` is torchtune's scheme: the tokens in 8 chunks, each chunk's
 logits and loss computed by one compiled function, so only one chunk's float32 logits exist.
+Class weights and label smoothing go to ``F.cross_entropy`` as they are.
 """
 
 from __future__ import annotations
@@ -14,18 +15,22 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from cce.weighting import LossWeighting
+
 NUM_CHUNKS = 8
 
 
 def _logits_loss_lse(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                     bias: Optional[torch.Tensor], softcap: Optional[float]):
+                     bias: Optional[torch.Tensor], softcap: Optional[float],
+                     weighting: LossWeighting):
     logits = e @ c.T
     if bias is not None:
         logits = logits + bias
     logits = logits.float()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    loss = F.cross_entropy(logits, targets, ignore_index=-1, reduction="none")
+    loss = F.cross_entropy(logits, targets, weight=weighting.weight, ignore_index=-1,
+                           reduction="none", label_smoothing=weighting.label_smoothing)
     return loss, torch.logsumexp(logits, dim=-1)
 
 
@@ -42,25 +47,26 @@ def _compile_settings():
 
 
 def torch_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False,
-               filter_correction=False):
+               filter_correction=False, weighting=LossWeighting()):
     """Materialize the logits; filter_eps, vocab_sorting and filter_correction do not apply
     (exact gradients)."""
-    return _logits_loss_lse(e, c, targets, bias, softcap)
+    return _logits_loss_lse(e, c, targets, bias, softcap, weighting)
 
 
 def torch_compile_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False,
-                       filter_correction=False):
+                       filter_correction=False, weighting=LossWeighting()):
     with _compile_settings():
-        return _compiled()(e, c, targets, bias, softcap)
+        return _compiled()(e, c, targets, bias, softcap, weighting)
 
 
 def chunked_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False,
-                 filter_correction=False):
+                 filter_correction=False, weighting=LossWeighting()):
     compiled = _compiled()
     with _compile_settings():
-        chunks = [compiled(e_chunk, c, target_chunk, bias, softcap) for e_chunk, target_chunk
+        chunks = [compiled(e_chunk, c, target_chunk, bias, softcap, weighting)
+                  for e_chunk, target_chunk
                   in zip(e.chunk(NUM_CHUNKS), targets.chunk(NUM_CHUNKS))]
     if not chunks:  # no tokens at all
-        return _logits_loss_lse(e, c, targets, bias, softcap)
+        return _logits_loss_lse(e, c, targets, bias, softcap, weighting)
     losses, lses = zip(*chunks)
     return torch.cat(losses), torch.cat(lses)

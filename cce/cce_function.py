@@ -23,6 +23,7 @@ from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.live_tiles import live_tiles
 from cce.vocab_order import target_positions, vocab_order
+from cce.weighting import LossWeighting, RankOneTerm
 
 
 class ForwardResults(NamedTuple):
@@ -36,16 +37,21 @@ class ForwardResults(NamedTuple):
 
 def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                     targets: torch.Tensor, softcap: Optional[float], records_bounds: bool,
-                    vocab_sorting: bool) -> ForwardResults:
+                    vocab_sorting: bool, *, logit_sum: Optional[torch.Tensor] = None,
+                    class_weight: Optional[torch.Tensor] = None,
+                    deterministic: bool = False) -> ForwardResults:
     """Run the forward's kernels: vocabulary order, indexed dot, linear-log-sum-exp.
     ``records_bounds``: a filtering backward will follow, so the forward records the bounds of
     the live grid's tiles (else None) and, with ``vocab_sorting``, sorts the vocabulary first
-    (else the order is None: sorting only serves the backward's skipping)."""
+    (else the order is None: sorting only serves the backward's skipping). ``logit_sum``,
+    ``class_weight``, ``deterministic``: see :func:`cce.lse_forward.lse_forward`."""
     order = vocab_order(e, c, bias, targets) if records_bounds and vocab_sorting else None
     target_logit = indexed_dot(e, c, targets, bias, softcap)
     # The target logits double as lower bounds of the LSE for the tile bounds.
     lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
-                                  target_logit if records_bounds else None)
+                                  target_logit if records_bounds else None,
+                                  logit_sum=logit_sum, class_weight=class_weight,
+                                  deterministic=deterministic)
     return ForwardResults(order, target_logit, lse, tile_bound)
 
 
@@ -69,30 +75,38 @@ def _records_bounds(filter_eps: Optional[float], needs_grad: bool) -> bool:
 
 @torch.library.custom_op("cce::loss_forward", mutates_args=())
 def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
-                 targets: torch.Tensor, softcap: Optional[float], filter_eps: Optional[float],
-                 vocab_sorting: bool, filter_correction: bool, needs_grad: bool,
+                 targets: torch.Tensor, weight: Optional[torch.Tensor], softcap: Optional[float],
+                 filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
+                 label_smoothing: float, deterministic: bool, keep_tiles: bool,
+                 needs_grad: bool,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-token loss, lse, vocabulary order, tile bounds): float32 (N,), float32 (N,), int32
-    (V,) or empty, float32 live-grid table or empty. Targets are canonical (int64, -1 = ignored).
+    (V,) or empty, float32 live-grid table or empty. Targets are canonical (int64, -1 = ignored);
+    ``weight`` (float32 (V,)) and ``label_smoothing`` as in :mod:`cce.weighting`.
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
-    ``filter_correction`` is the backward's (see :func:`loss_backward`)."""
+    ``filter_correction`` and ``keep_tiles`` are the backward's (see :func:`loss_backward`);
+    ``deterministic``: see :func:`cce.lse_forward.lse_forward`."""
     check_interpreter_usable()
+    logit_sum = (torch.zeros(targets.shape, dtype=torch.float32, device=e.device)
+                 if label_smoothing else None)
     order, target_logit, lse, tile_bound = forward_kernels(
-        e, c, bias, targets, softcap, _records_bounds(filter_eps, needs_grad), vocab_sorting)
+        e, c, bias, targets, softcap, _records_bounds(filter_eps, needs_grad), vocab_sorting,
+        logit_sum=logit_sum, class_weight=weight, deterministic=deterministic)
     # lse and the target logit come from different kernels: on a row whose softmax is one-hot
     # to float32 precision their difference can round below 0, which a loss never is.
-    token_loss = (lse - target_logit).clamp_min(0.0)
+    cross_entropy = (lse - target_logit).clamp_min(0.0)
     # A row with an infinite logit has lse = +inf, and a NaN loss in PyTorch, whose
     # log_softmax subtracts the row's maximum first (inf - inf).
-    token_loss = torch.where(lse == float("inf"), float("nan"), token_loss)
-    loss = torch.where(targets >= 0, token_loss, 0.0)
+    cross_entropy = torch.where(lse == float("inf"), float("nan"), cross_entropy)
+    loss = LossWeighting(weight, label_smoothing).token_loss(cross_entropy, lse, logit_sum,
+                                                              targets, c.shape[0])
     return (loss, lse, _or_empty(order, torch.int32, e.device),
             _or_empty(tile_bound, torch.float32, e.device))
 
 
 @loss_forward.register_fake
-def _loss_forward_fake(e, c, bias, targets, softcap, filter_eps, vocab_sorting,
-                       filter_correction, needs_grad):
+def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_sorting,
+                       filter_correction, label_smoothing, deterministic, keep_tiles, needs_grad):
     num_tokens, vocab_size = e.shape[0], c.shape[0]
     records_bounds = _records_bounds(filter_eps, needs_grad)
     grid = kernel_configs(e.dtype).live_grid  # lse_forward's table: one row per token block
@@ -107,23 +121,30 @@ def _loss_forward_fake(e, c, bias, targets, softcap, filter_eps, vocab_sorting,
 
 @torch.library.custom_op("cce::loss_backward", mutates_args=())
 def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
-                  targets: torch.Tensor, lse: torch.Tensor, order: torch.Tensor,
-                  tile_bound: torch.Tensor, grad_loss: Optional[torch.Tensor],
-                  grad_lse: Optional[torch.Tensor],
+                  targets: torch.Tensor, weight: Optional[torch.Tensor], lse: torch.Tensor,
+                  order: torch.Tensor, tile_bound: torch.Tensor,
+                  grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
                   softcap: Optional[float], filter_eps: Optional[float],
-                  filter_correction: bool, needs_grad_e: bool, needs_grad_c: bool,
+                  filter_correction: bool, label_smoothing: float, keep_tiles: bool,
+                  needs_grad_e: bool, needs_grad_c: bool,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` (a None gradient counts as
     0), each empty when not needed (dC and dbias both come with ``needs_grad_c``). ``order``
     and ``tile_bound``: from :func:`loss_forward`. ``filter_correction``: with filtering and no
-    softcap, dE gets back what the filter dropped (:mod:`cce.sparse_tile_matmul`)."""
+    softcap, dE gets back what the filter dropped (:mod:`cce.sparse_tile_matmul`).
+    ``keep_tiles``: recompute each live tile once, into memory of its own
+    (:func:`cce.backward.linear_cross_entropy_backward`)."""
     order = order if order.numel() else None
-    target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
-                    if grad_loss is not None else torch.zeros_like(lse))
-    prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
+    if grad_loss is None:
+        grad_loss = torch.zeros_like(lse)
+    prob_scale, target_scale, uniform_scale = LossWeighting(
+        weight, label_smoothing).gradient_scales(grad_loss, targets, c.shape[0])
+    if grad_lse is not None:
+        prob_scale = prob_scale + grad_lse.float()
+    rank_one = RankOneTerm(uniform_scale, weight) if uniform_scale is not None else None
     if e.shape[1] == 0:
         grad_bias = (_bias_gradient_without_dimensions(bias, targets, softcap, prob_scale,
-                                                       target_scale)
+                                                       target_scale, rank_one)
                      if needs_grad_c and bias is not None else None)
         return (e.new_zeros(e.shape if needs_grad_e else (0,)),
                 c.new_zeros(c.shape if needs_grad_c else (0,)),
@@ -135,14 +156,16 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
         e, c, positions, bias, softcap, lse, prob_scale, target_scale, order, live, filter_eps,
         needs_grad_e=needs_grad_e, needs_grad_c=needs_grad_c,
-        mass_correction=filter_correction and filter_eps is not None and softcap is None)
+        mass_correction=filter_correction and filter_eps is not None and softcap is None,
+        rank_one=rank_one, keep_tiles=keep_tiles)
     return (_or_empty(grad_e, e.dtype, e.device), _or_empty(grad_c, c.dtype, c.device),
             _or_empty(grad_bias, c.dtype, c.device))
 
 
 def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
                                       softcap: Optional[float], prob_scale: torch.Tensor,
-                                      target_scale: torch.Tensor) -> torch.Tensor:
+                                      target_scale: torch.Tensor,
+                                      rank_one: Optional[RankOneTerm]) -> torch.Tensor:
     """dbias when D = 0 (the kernels' tiles need D > 0): every row's logits are the (capped)
     bias, so every row has the same softmax."""
     logits = bias.float()
@@ -151,14 +174,17 @@ def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
         logits = softcap * capped
     target_sums = torch.zeros_like(logits).index_add_(0, targets.clamp(min=0), target_scale)
     grad = torch.softmax(logits, dim=0) * prob_scale.sum() - target_sums
+    if rank_one is not None:
+        grad = grad + (rank_one.weight if rank_one.weight is not None else 1.0) * rank_one.scale.sum()
     if softcap is not None:
         grad = grad * (1.0 - capped * capped)
     return grad.to(bias.dtype)
 
 
 @loss_backward.register_fake
-def _loss_backward_fake(e, c, bias, targets, lse, order, tile_bound, grad_loss, grad_lse,
-                        softcap, filter_eps, filter_correction, needs_grad_e, needs_grad_c):
+def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, grad_loss, grad_lse,
+                        softcap, filter_eps, filter_correction, label_smoothing, keep_tiles,
+                        needs_grad_e, needs_grad_c):
     return (e.new_empty(e.shape if needs_grad_e else (0,)),
             c.new_empty(c.shape if needs_grad_c else (0,)),
             c.new_empty(bias.shape if needs_grad_c and bias is not None else (0,)))
@@ -168,29 +194,31 @@ def _loss_backward_fake(e, c, bias, targets, lse, order, tile_bound, grad_loss, 
 
 
 def _loss_forward_setup_context(ctx, inputs, output) -> None:
-    e, c, bias, targets, softcap, filter_eps, _, filter_correction, _ = inputs
+    (e, c, bias, targets, weight, softcap, filter_eps, _, filter_correction, label_smoothing, _,
+     keep_tiles, _) = inputs
     _, lse, order, tile_bound = output
     ctx.mark_non_differentiable(order, tile_bound)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(e, c, bias, targets, lse, order, tile_bound)
-    ctx.options = (softcap, filter_eps, filter_correction)
+    ctx.save_for_backward(e, c, bias, targets, weight, lse, order, tile_bound)
+    ctx.options = (softcap, filter_eps, filter_correction, label_smoothing, keep_tiles)
 
 
 def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
                            grad_lse: Optional[torch.Tensor], _grad_order, _grad_tile_bound):
     """Gradients of e, c and bias (None for the targets and the options)."""
-    e, c, bias, targets, lse, order, tile_bound = ctx.saved_tensors
+    e, c, bias, targets, weight, lse, order, tile_bound = ctx.saved_tensors
     needs_e, needs_c, needs_bias = ctx.needs_input_grad[:3]
     with torch.no_grad():  # under create_graph=True too: see _differentiable_once
         grad_e, grad_c, grad_bias = loss_backward(
-            e, c, bias, targets, lse, order, tile_bound, grad_loss, grad_lse, *ctx.options,
+            e, c, bias, targets, weight, lse, order, tile_bound, grad_loss, grad_lse,
+            *ctx.options,
             needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
     gradients = _differentiable_once(
         [grad for grad, needed in ((grad_e, needs_e), (grad_c, needs_c), (grad_bias, needs_bias))
          if needed],
         (e, c, bias, grad_loss, grad_lse))
     return tuple(gradients.pop(0) if needed else None
-                 for needed in (needs_e, needs_c, needs_bias)) + (None,) * 6
+                 for needed in (needs_e, needs_c, needs_bias)) + (None,) * 10
 
 
 def _differentiable_once(gradients: "list[torch.Tensor]",
@@ -255,9 +283,12 @@ def _or_empty(tensor: Optional[torch.Tensor], dtype: torch.dtype,
 
 def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
              bias: Optional[torch.Tensor], softcap: Optional[float],
-             filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool):
+             filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
+             weighting: LossWeighting = LossWeighting(), *, deterministic: bool = False,
+             keep_tiles: bool = False):
     """Canonical-signature entry point of the Triton kernels (see :mod:`cce.loss`): CUDA
-    tensors, or CPU tensors in Triton's interpreter."""
+    tensors, or CPU tensors in Triton's interpreter. ``deterministic`` and ``keep_tiles``: see
+    :func:`cce.linear_cross_entropy`."""
     if e.shape[0] == 0:
         # No tokens: zero-size outputs that still connect every input to the graph.
         connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
@@ -268,8 +299,9 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     # Grad mode is off inside the op, where the forward must know whether a backward follows.
     needs_grad = torch.is_grad_enabled() and any(
         tensor is not None and tensor.requires_grad for tensor in (e, c, bias))
-    arguments = (e, c, bias, targets.contiguous(), softcap, filter_eps, vocab_sorting,
-                 filter_correction, needs_grad)
+    arguments = (e, c, bias, targets.contiguous(), weighting.weight, softcap, filter_eps,
+                 vocab_sorting, filter_correction, weighting.label_smoothing, deterministic,
+                 keep_tiles, needs_grad)
     loss, lse, _, _ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
                        else loss_forward(*arguments))
     return loss, lse

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from cce.weighting import LossWeighting
+
 # Bytes of float32 logits per chunk of tokens (at least one token per chunk).
 CHUNK_LOGIT_BYTES = 32 * 2**20
 
@@ -26,10 +28,14 @@ CHUNK_LOGIT_BYTES = 32 * 2**20
 def chunked_torch_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                        bias: Optional[torch.Tensor], softcap: Optional[float],
                        filter_eps: Optional[float] = None, vocab_sorting: bool = False,
-                       filter_correction: bool = False) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Per-token loss (0 at ignored tokens) and LSE, float32 (N,), on the device of the inputs;
-    ``filter_eps``, ``vocab_sorting`` and ``filter_correction`` do not apply."""
-    return ChunkedLinearCrossEntropy.apply(e, c, bias, targets, softcap)
+                       filter_correction: bool = False,
+                       weighting: LossWeighting = LossWeighting(),
+                       ) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Per-token loss (F.cross_entropy's with ``weighting``, 0 at ignored tokens) and LSE,
+    float32 (N,), on the device of the inputs; ``filter_eps``, ``vocab_sorting`` and
+    ``filter_correction`` do not apply."""
+    return ChunkedLinearCrossEntropy.apply(e, c, bias, targets, softcap, weighting.weight,
+                                           weighting.label_smoothing)
 
 
 def chunk_rows(vocab_size: int) -> int:
@@ -53,11 +59,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
-                targets: torch.Tensor, softcap: Optional[float]):
+                targets: torch.Tensor, softcap: Optional[float], weight: Optional[torch.Tensor],
+                label_smoothing: float):
         c32, bias32 = c.float(), None if bias is None else bias.float()
         num_tokens = e.shape[0]
         lse = torch.empty(num_tokens, dtype=torch.float32, device=e.device)
         target_logit = torch.empty_like(lse)
+        # sum_v weight[v] * logit[v] of every row, for label smoothing (cce.weighting).
+        logit_sum = torch.empty_like(lse) if label_smoothing else None
         gather_index = targets.clamp(min=0).unsqueeze(1)  # ignored rows read column 0, unused
         rows = chunk_rows(c.shape[0])
         for start in range(0, num_tokens, rows):
@@ -65,25 +74,37 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits, _ = _chunk_logits(e[chunk].float(), c32, bias32, softcap)
             lse[chunk] = torch.logsumexp(logits, dim=1)
             target_logit[chunk] = logits.gather(1, gather_index[chunk]).squeeze(1)
+            if logit_sum is not None:
+                logit_sum[chunk] = (logits.sum(dim=1) if weight is None
+                                    else logits @ weight)
         # A row with a +inf logit has a NaN loss in PyTorch, whose log_softmax subtracts the
         # row's maximum first (inf - inf); lse - target_logit alone would be +inf there.
-        token_loss = torch.where(lse == math.inf, math.nan, lse - target_logit)
-        loss = torch.where(targets >= 0, token_loss, 0.0)
-        ctx.save_for_backward(e, c, bias, targets, lse)
+        cross_entropy = torch.where(lse == math.inf, math.nan, lse - target_logit)
+        weighting = LossWeighting(weight, label_smoothing)
+        loss = weighting.token_loss(cross_entropy, lse, logit_sum, targets, c.shape[0])
+        ctx.save_for_backward(e, c, bias, targets, lse, weight)
         ctx.softcap = softcap
+        ctx.label_smoothing = label_smoothing
         return loss, lse
 
     @staticmethod
     @once_differentiable  # the backward's in-place chunk arithmetic records no graph
     def backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor):
-        e, c, bias, targets, lse = ctx.saved_tensors
+        e, c, bias, targets, lse, weight = ctx.saved_tensors
         needs_grad_e, needs_grad_c, needs_grad_bias = ctx.needs_input_grad[:3]
         softcap = ctx.softcap
         # d(loss * grad_loss + lse * grad_lse)/d(logits) = softmax * prob_scale
-        # - onehot(target) * target_scale; ignored rows only have the lse's term.
-        target_scale = torch.where(targets >= 0, grad_loss.float(), 0.0)
-        prob_scale = (target_scale + grad_lse.float()).unsqueeze(1)
+        # - onehot(target) * target_scale + uniform_scale * weight (cce.weighting); ignored
+        # rows only have the lse's term.
+        prob_scale, target_scale, uniform_scale = LossWeighting(
+            weight, ctx.label_smoothing).gradient_scales(grad_loss, targets, c.shape[0])
+        prob_scale = (prob_scale + grad_lse.float()).unsqueeze(1)
         target_scale = target_scale.unsqueeze(1)
+        uniform_weight = None
+        if uniform_scale is not None:
+            uniform_scale = uniform_scale.unsqueeze(1)
+            uniform_weight = (torch.ones(c.shape[0], dtype=torch.float32, device=c.device)
+                              if weight is None else weight)
         # The softmax is exp(logits - lse); where the lse is +inf, PyTorch's softmax is NaN on
         # the whole row (every logit minus an infinite maximum), not only at the +inf logits.
         softmax_shift = lse.masked_fill(lse == math.inf, math.nan).unsqueeze(1)
@@ -102,6 +123,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits, capped = _chunk_logits(e32, c32, bias32, softcap)
             grad_logits = logits.sub_(softmax_shift[chunk]).exp_().mul_(prob_scale[chunk])
             grad_logits.scatter_add_(1, scatter_index[chunk], target_scale[chunk].neg())
+            if uniform_weight is not None:
+                grad_logits.addcmul_(uniform_scale[chunk], uniform_weight)
             if capped is not None:  # d(s * tanh(z / s))/dz = 1 - tanh(z / s)^2
                 grad_logits.mul_(capped.square_().neg_().add_(1.0))
             if needs_grad_e:
@@ -112,4 +135,4 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_bias32 += grad_logits.sum(dim=0)
         grad_c = grad_c32.to(c.dtype) if needs_grad_c else None
         grad_bias = grad_bias32.to(bias.dtype) if needs_grad_bias else None
-        return grad_e, grad_c, grad_bias, None, None
+        return grad_e, grad_c, grad_bias, None, None, None, None

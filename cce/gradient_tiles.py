@@ -27,6 +27,7 @@ from cce.config import dot_precision, kernel_configs
 from cce.logit_tile import logit_gradient_tile, round_to, vocab_block_entries
 from cce.live_lists import TileLists
 from cce.scratch import Scratch, segment_offsets
+from cce.weighting import RankOneTerm
 
 KEPT_MASS_ONE = tl.constexpr(2**62)  # a softmax mass m is added up as int64 m * 2^62
 KEPT_MASS_UNIT = tl.constexpr(2.0**-62)
@@ -41,13 +42,15 @@ def store_tile(scratch_ptr, offsets, grad, row_mask, DOT_PRECISION: tl.constexpr
 @triton.jit
 def gradient_tiles_kernel(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
-    vocab_order_ptr, live_tiles_ptr, flags_ptr, kept_mass_ptr, scratch_ptr, pages_ptr,
+    uniform_scale_ptr, class_weight_ptr, vocab_order_ptr, live_tiles_ptr, flags_ptr,
+    kept_mass_ptr, scratch_ptr, pages_ptr,
     tile_lists_ptr, tile_counts_ptr, first_slots_ptr,
     num_tokens, vocab_size, dim, num_vocab_blocks,
     first_token_block, first_vocab_block, chunk_token_blocks, chunk_vocab_blocks,
     longest_list, list_stride, page_stride,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
+    UNIFORM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr, LISTED: tl.constexpr,
     SUM_KEPT_MASS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
@@ -91,9 +94,11 @@ def gradient_tiles_kernel(
             vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
         grad, keep, row_mass = logit_gradient_tile(
             e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr,
-            target_scale_ptr, rows, row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
+            target_scale_ptr, uniform_scale_ptr, class_weight_ptr, rows, row_mask, vocab_block,
+            vocab, vocab_mask, vocab_size, dim,
             stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
-            HAS_BIAS, HAS_SOFTCAP, FILTER, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
+            HAS_BIAS, HAS_SOFTCAP, FILTER, UNIFORM, HAS_CLASS_WEIGHT, BLOCK_TOKENS, BLOCK_VOCAB,
+            BLOCK_DIM, DOT_PRECISION,
         )
         if LISTED:
             # Every listed tile is read by the product: one the filter drops reads as zeros.
@@ -119,15 +124,18 @@ def gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Ten
                    vocab_order: Optional[torch.Tensor], live_tiles: Optional[torch.Tensor],
                    filter_eps: Optional[float], flags: torch.Tensor, scratch: Scratch,
                    token_blocks: range, vocab_blocks: range,
-                   kept_mass: Optional[torch.Tensor] = None) -> None:
+                   kept_mass: Optional[torch.Tensor] = None,
+                   rank_one: Optional[RankOneTerm] = None) -> None:
     """Pass 1: store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks),
     whole rows of the grid, in ``scratch`` and set their ``flags`` (int32, one per live-grid
     tile: 1 = stored); add the softmax mass of the stored tiles to ``kept_mass`` (int64 (N,),
     module docstring) when given. ``target_positions``: see
-    :func:`cce.vocab_order.target_positions`."""
+    :func:`cce.vocab_order.target_positions`. ``rank_one``: the gradient's rank-one term (label
+    smoothing), which the products add; the tiles hold only its softcap derivative's share
+    (:func:`cce.logit_tile.logit_gradient_tile`)."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
-            kept_mass=kept_mass)
+            kept_mass=kept_mass, rank_one=rank_one)
 
 
 def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Tensor,
@@ -136,20 +144,22 @@ def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: to
                           target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
                           filter_eps: Optional[float], scratch: Scratch, tile_lists: TileLists,
                           longest_list: int, vocab_blocks: range,
-                          kept_mass: Optional[torch.Tensor] = None) -> None:
+                          kept_mass: Optional[torch.Tensor] = None,
+                          rank_one: Optional[RankOneTerm] = None) -> None:
     """Pass 2: store the listed tiles of ``vocab_blocks`` (``tile_lists``: per vocabulary block,
     the token blocks to store; ``longest_list``: at least the longest of those lists), each in
-    its slot; tiles the filter drops are stored as zeros. ``kept_mass``: as in
-    :func:`gradient_tiles` (when this is the backward's only recompute)."""
+    its slot; tiles the filter drops are stored as zeros. ``kept_mass`` (when this is the
+    backward's only recompute) and ``rank_one``: as in :func:`gradient_tiles`."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             None, filter_eps, None, scratch, range(0), vocab_blocks, tile_lists=tile_lists,
-            longest_list=longest_list, kept_mass=kept_mass)
+            longest_list=longest_list, kept_mass=kept_mass, rank_one=rank_one)
 
 
 def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
             tile_lists: Optional[TileLists] = None, longest_list: int = 1,
-            kept_mass: Optional[torch.Tensor] = None) -> None:
+            kept_mass: Optional[torch.Tensor] = None,
+            rank_one: Optional[RankOneTerm] = None) -> None:
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
     grid, config = configs.live_grid, configs.gradient_tiles
@@ -158,9 +168,12 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
     programs = len(vocab_blocks) * (longest_list if listed else len(token_blocks))
     if programs == 0:
         return
+    # Without a softcap the tiles hold nothing of the rank-one term (None: unused pointers).
+    uniform = (rank_one if rank_one is not None and softcap is not None
+               else RankOneTerm(None, None))
     gradient_tiles_kernel[(programs,)](
-        e, c, bias, target_positions, lse, prob_scale, target_scale, vocab_order, live_tiles,
-        flags, kept_mass, scratch.buffer, scratch.pages,
+        e, c, bias, target_positions, lse, prob_scale, target_scale, uniform.scale,
+        uniform.weight, vocab_order, live_tiles, flags, kept_mass, scratch.buffer, scratch.pages,
         tile_lists.lists if listed else None, tile_lists.counts if listed else None,
         tile_lists.first_slots if listed else None,
         num_tokens, c.shape[0], dim, triton.cdiv(c.shape[0], grid.block_vocab),
@@ -169,7 +182,9 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
         scratch.page_stride,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0, filter_eps or 0.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        FILTER=filter_eps is not None, SORTED=vocab_order is not None,
+        FILTER=filter_eps is not None, UNIFORM=uniform.scale is not None,
+        HAS_CLASS_WEIGHT=uniform.weight is not None,
+        SORTED=vocab_order is not None,
         SKIP_DEAD_TILES=live_tiles is not None, LISTED=listed,
         SUM_KEPT_MASS=kept_mass is not None,
         SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,

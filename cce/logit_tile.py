@@ -110,9 +110,11 @@ def logit_tile(
 @triton.jit
 def logit_gradient_tile(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
+    uniform_scale_ptr, class_weight_ptr,
     rows, row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
+    UNIFORM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -123,6 +125,12 @@ def logit_gradient_tile(
     The gradient is ``prob_scale[i] * softmax_ij - target_scale[i] * [j == x_i]``, times the
     softcap derivative. ``keep`` is False when gradient filtering proves the tile negligible:
     every entry of ``softmax - onehot`` (on rows with a gradient) is below ``filter_eps``.
+
+    ``UNIFORM`` (label smoothing, :mod:`cce.weighting`): the gradient also has the rank-one term
+    ``uniform_scale[i] * class_weight[j]`` (weights 1 without ``HAS_CLASS_WEIGHT``), which the
+    products add in closed form, so the tile leaves it out. Only its softcap derivative's share,
+    ``-uniform_scale[i] * class_weight[j] * tanh^2``, is not rank-one: with a softcap, the tile
+    holds that.
     """
     # The rows' values are loaded before the tile's products, which hide their latency.
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
@@ -160,6 +168,13 @@ def logit_gradient_tile(
         keep = (tl.max(probs) >= filter_eps) | (tl.max(row_keeps.to(tl.int32)) > 0)
     grad = probs * prob_scale[:, None] - tl.where(is_target, target_scale[:, None], 0.0)
     if HAS_SOFTCAP:
-        capped = logits / softcap
+        capped = logits / softcap  # tanh of the pre-cap logit
         grad = grad * (1.0 - capped * capped)
+        if UNIFORM:
+            uniform = tl.load(uniform_scale_ptr + rows, mask=row_mask, other=0.0)
+            curvature = uniform[:, None] * (capped * capped)
+            if HAS_CLASS_WEIGHT:
+                curvature *= tl.load(class_weight_ptr + vocab, mask=vocab_mask,
+                                     other=0.0)[None, :]
+            grad -= curvature
     return grad, keep, tl.sum(probs, axis=1)

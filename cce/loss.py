@@ -2,8 +2,10 @@
 
 Every implementation (the CCE kernels and the baselines) computes the same thing from the same
 canonical inputs: ``e`` as (N, D), ``c`` as (V, D), ``targets`` as (N,) int64 with -1 at ignored
-positions. It returns the per-token loss and log-sum-exp as float32 (N,) tensors. Reduction and
-the reshaping back to ``targets``' shape happen here, once, for all of them.
+positions, and the class weights and label smoothing as a :class:`cce.weighting.LossWeighting`
+(weights float32). It returns F.cross_entropy's per-token loss (``reduction="none"``) and the
+log-sum-exp as float32 (N,) tensors. Reduction and the reshaping back to ``targets``' shape happen
+here, once, for all of them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from cce import baselines
 from cce.cce_function import cce_loss
 from cce.chunked_torch import chunked_torch_loss
 from cce.config import kernels_run_on
+from cce.weighting import LossWeighting
 
 Implementation = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -28,12 +31,16 @@ Implementation = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 def kernels_or_chunked_torch(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                              bias: Optional[torch.Tensor], softcap: Optional[float],
                              filter_eps: Optional[float], vocab_sorting: bool,
-                             filter_correction: bool) -> "tuple[torch.Tensor, torch.Tensor]":
+                             filter_correction: bool, weighting: LossWeighting = LossWeighting(),
+                             **kernel_options: bool) -> "tuple[torch.Tensor, torch.Tensor]":
     """impl="cce": the Triton kernels where they run (:func:`cce.config.kernels_run_on`), else
-    the same loss with exact gradients in chunked PyTorch operations, on the inputs' device."""
-    implementation = cce_loss if kernels_run_on(e.device) else chunked_torch_loss
-    return implementation(e, c, targets, bias, softcap, filter_eps, vocab_sorting,
-                          filter_correction)
+    the same loss with exact gradients in chunked PyTorch operations, on the inputs' device
+    (which are deterministic and recompute once, so ``kernel_options`` do not apply)."""
+    if kernels_run_on(e.device):
+        return cce_loss(e, c, targets, bias, softcap, filter_eps, vocab_sorting,
+                        filter_correction, weighting, **kernel_options)
+    return chunked_torch_loss(e, c, targets, bias, softcap, filter_eps, vocab_sorting,
+                              filter_correction, weighting)
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
@@ -71,12 +78,16 @@ def linear_cross_entropy(
     filter_correction: bool = True,
     return_lse: bool = False,
     impl: str = "cce",
+    weight: Optional[torch.Tensor] = None,
+    label_smoothing: float = 0.0,
+    deterministic: Optional[bool] = None,
+    keep_tiles: bool = False,
 ) -> Union[torch.Tensor, "tuple[torch.Tensor, torch.Tensor]"]:
     """Cross-entropy of the logits ``e @ c.T + bias`` against ``targets``, without building them.
 
-    Same result as ``F.cross_entropy(e @ c.T + bias, targets, ignore_index=..., reduction=...)``
-    (with ``softcap * tanh(logits / softcap)`` first when ``softcap`` is given), computed in
-    float32. The loss is float32 whatever the input dtype.
+    Same result as ``F.cross_entropy(e @ c.T + bias, targets, weight=..., ignore_index=...,
+    reduction=..., label_smoothing=...)`` (with ``softcap * tanh(logits / softcap)`` first when
+    ``softcap`` is given), computed in float32. The loss is float32 whatever the input dtype.
 
     Args:
         e: embeddings, shape (..., D), float32/float16/bfloat16 (D = 0 gives the logits
@@ -92,8 +103,9 @@ def linear_cross_entropy(
         ignore_index: target value that contributes neither loss nor gradient (an int or a
             numpy integer).
         softcap: logit soft-capping value (Gemma 2), or None.
-        reduction: "mean" over non-ignored tokens, "sum", or "none" (shape of ``targets``,
-            0 at ignored positions).
+        reduction: "mean" over non-ignored tokens (with ``weight``: the sum divided by the
+            summed weights of their targets), "sum", or "none" (shape of ``targets``, 0 at
+            ignored positions).
         shift: position i is scored against ``targets[..., i + shift]``; the last ``shift``
             positions count as ignored (next-token prediction without slicing ``e``), and the
             first ``shift`` targets are not used (nor range-checked).
@@ -106,20 +118,49 @@ def linear_cross_entropy(
             the paper: it removes most of the filter's error on language-model data, whose
             classifier rows share a direction). Not applied with ``softcap``, whose derivative
             the dropped entries' sum does not carry. False: the paper's filter.
-        return_lse: also return the log-sum-exp of every row, shape of ``targets``.
+        return_lse: also return the log-sum-exp of every row, shape of ``targets`` (of the
+            logits alone: ``weight`` and ``label_smoothing`` do not enter it).
         impl: "cce" (Triton kernels on CUDA tensors; on CPU tensors too when
             ``TRITON_INTERPRET=1`` runs them in Triton's interpreter, else "cce_torch"),
             "cce_torch" (chunked PyTorch operations on any device, exact gradients: the filter
             options do not apply), "torch" (materialized logits), "torch_compile" or "chunked"
             (8 compiled chunks, torchtune-style).
+        weight: class weights, shape (V,), as in F.cross_entropy: each token's loss is scaled
+            by its target's weight, and with label smoothing the uniform part is weighted too.
+            Any floating-point dtype, whatever the dtype of ``e`` (the loss uses it in
+            float32); on the device of ``e``; not differentiable (must not require grad).
+        label_smoothing: in [0, 1], as in F.cross_entropy: the target distribution is
+            ``(1 - label_smoothing) * onehot + label_smoothing / V``. Its gradient reaches every
+            classifier row, but in closed form: the filter still skips the tiles it would skip
+            without it. (With ``softcap``, the part of that gradient that the cap's curvature
+            makes non-uniform is dropped with the skipped tiles, as their small softmax entries
+            are: per logit, at most ``label_smoothing * |weight[v]| / V`` times the token's
+            upstream gradient.)
+        deterministic: True makes the loss, lse and gradients bitwise identical across calls
+            on one device (the forward merges its partial log-sum-exps in a fixed order instead
+            of under a spin lock); None (default) follows
+            ``torch.are_deterministic_algorithms_enabled()``. The backward is deterministic
+            either way. Kernels only: the other implementations ignore it.
+        keep_tiles: recompute each live tile of the backward once and keep it for both
+            gradient products, in memory of its own (about 32 KB per live 128 x 128 tile in
+            16-bit, e.g. +0.9-1.2 GB at N = 8192 on a 128k-256k vocabulary), for a faster
+            backward; False (default) keeps the peak at dE + dC + a few MB, recomputing each
+            live tile twice. Kernels only.
 
     Returns:
         The loss, or ``(loss, lse)`` when ``return_lse`` is True.
     """
     e, c, bias = _cast_as_linear_would(e, c, bias)
     _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
-                     vocab_sorting, filter_correction, impl)
+                     vocab_sorting, filter_correction, impl, weight, label_smoothing)
+    _check_kernel_flags(deterministic, keep_tiles)
     eps = default_filter_eps(e.dtype) if filter_eps == "auto" else filter_eps
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    kernel_options = ({"deterministic": deterministic, "keep_tiles": keep_tiles}
+                      if impl == "cce" else {})
+    weighting = LossWeighting(None if weight is None else weight.float().contiguous(),
+                              float(label_smoothing))
 
     canonical_targets, out_of_range = _canonical_targets(targets, operator.index(ignore_index),
                                                          shift, c.shape[0])
@@ -128,7 +169,7 @@ def linear_cross_entropy(
     flat_e = e.reshape(targets.numel(), e.shape[-1])  # not -1: D may be 0
     token_loss, lse = IMPLEMENTATIONS[impl](
         flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting,
-        filter_correction
+        filter_correction, weighting, **kernel_options
     )
     if read_any_out_of_range is None:
         # No host check possible (torch.compile, CUDA graph capture): poison the loss instead.
@@ -137,13 +178,12 @@ def linear_cross_entropy(
         raise ValueError(f"targets must be in [0, {c.shape[0]}) or equal ignore_index="
                          f"{ignore_index}; found {targets[out_of_range][0].item()}")
 
-    valid = canonical_targets >= 0
     if reduction == "none":
         loss = token_loss.reshape(targets.shape)
     elif reduction == "sum":
         loss = token_loss.sum()
-    else:  # mean over non-ignored tokens; NaN when every token is ignored, as in PyTorch
-        loss = token_loss.sum() / valid.sum()
+    else:  # over the targets' summed weights; NaN when every token is ignored, as in PyTorch
+        loss = token_loss.sum() / weighting.target_weight_sum(canonical_targets)
     if return_lse:
         return loss, lse.reshape(targets.shape)
     return loss
@@ -165,21 +205,38 @@ class LinearCrossEntropy(nn.Module):
         filter_correction: bool = True,
         return_lse: bool = False,
         impl: str = "cce",
+        weight: Optional[torch.Tensor] = None,
+        label_smoothing: float = 0.0,
+        deterministic: Optional[bool] = None,
+        keep_tiles: bool = False,
     ) -> None:
         super().__init__()
+        _check_kernel_flags(deterministic, keep_tiles)
         _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
-                       filter_correction, impl)
+                       filter_correction, impl, label_smoothing)
+        _check_weight(weight)
         self.bias = bias
+        # A buffer, as in nn.CrossEntropyLoss: it follows the module's .to() and state_dict.
+        self.register_buffer("weight", weight)
         self.options = dict(ignore_index=ignore_index, softcap=softcap, reduction=reduction,
                             shift=shift, filter_eps=filter_eps, vocab_sorting=vocab_sorting,
                             filter_correction=filter_correction, return_lse=return_lse,
-                            impl=impl)
+                            impl=impl, label_smoothing=label_smoothing,
+                            deterministic=deterministic, keep_tiles=keep_tiles)
 
     def forward(self, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor):
-        return linear_cross_entropy(e, c, targets, bias=self.bias, **self.options)
+        return linear_cross_entropy(e, c, targets, bias=self.bias, weight=self.weight,
+                                    **self.options)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
+
+
+def _check_kernel_flags(deterministic, keep_tiles) -> None:
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be None or a bool, got {deterministic!r}")
+    if not isinstance(keep_tiles, bool):
+        raise ValueError(f"keep_tiles must be a bool, got {keep_tiles!r}")
 
 
 def _canonical_targets(targets: torch.Tensor, ignore_index: int, shift: int,
@@ -257,7 +314,7 @@ def _holds_no_data(tensor: torch.Tensor) -> bool:
 
 
 def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
-                     vocab_sorting, filter_correction, impl) -> None:
+                     vocab_sorting, filter_correction, impl, weight, label_smoothing) -> None:
     for name, tensor in (("e", e), ("c", c), ("targets", targets)):
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -288,14 +345,35 @@ def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shif
             raise ValueError(f"bias must be a tensor of shape ({c.shape[0]},)")
         if bias.dtype != e.dtype or bias.device != e.device:
             raise ValueError("bias must have the dtype and device of e")
+    _check_weight(weight, c.shape[0], e.device)
     _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
-                   filter_correction, impl)
+                   filter_correction, impl, label_smoothing)
     if shift and e.dim() < 2:
         raise ValueError("shift needs e with a sequence dimension, shape (..., T, D)")
 
 
+def _check_weight(weight, vocab_size: Optional[int] = None,
+                  device: Optional[torch.device] = None) -> None:
+    """The class weights, against the vocabulary size and device when they are known."""
+    if weight is None:
+        return
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"weight must be None or a tensor, got {type(weight).__name__}")
+    if weight.dim() != 1 or (vocab_size is not None and weight.shape[0] != vocab_size):
+        expected = "V" if vocab_size is None else vocab_size
+        raise ValueError(f"weight must have shape ({expected},) (one weight per class), got "
+                         f"{tuple(weight.shape)}")
+    if not weight.dtype.is_floating_point:
+        raise ValueError(f"weight must have a floating-point dtype, got {weight.dtype}")
+    if device is not None and weight.device != device:
+        raise ValueError(f"weight is on {weight.device} but e is on {device}: they must match")
+    if weight.requires_grad:
+        raise ValueError("weight must not require grad: the loss is not differentiable with "
+                         "respect to the class weights (nor is F.cross_entropy)")
+
+
 def _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
-                   filter_correction, impl) -> None:
+                   filter_correction, impl, label_smoothing) -> None:
     if (isinstance(ignore_index, bool) or not isinstance(ignore_index, _INTEGERS)
             or not _INT64_MIN <= ignore_index <= _INT64_MAX):
         raise ValueError(f"ignore_index must be an int (int64), got {ignore_index!r}")
@@ -315,6 +393,8 @@ def _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_so
         raise ValueError(f"filter_correction must be a bool, got {filter_correction!r}")
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {tuple(IMPLEMENTATIONS)}, got {impl!r}")
+    if not (_is_number(label_smoothing) and 0 <= label_smoothing <= 1):  # False for NaN
+        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
 
 
 def _is_number(value) -> bool:

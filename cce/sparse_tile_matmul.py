@@ -16,6 +16,11 @@ write float32 partial sums, added up afterwards (dE only; :mod:`cce.partial_sums
   block's list is in slot ``first_slots[block] - first_slots[0] + k``), the second rows of e.
   The bias gradient (column sums of G) comes along.
 
+With label smoothing, G has a rank-one term ``u w^T`` (:mod:`cce.weighting`) that the stored
+tiles leave out, as it would keep every tile live: a ``RankOneUpdate`` adds its product in the
+epilogue, in float32 before the output is rounded: ``u (w^T C)`` to dE, ``w (u^T E)`` to dC and
+``w sum(u)`` to the bias gradient.
+
 Gradient filtering drops entries of G. With a ``MassCorrection`` (dE only), the product adds
 them back as an estimate: each row's dropped probability mass (one minus the kept mass, which
 pass 1 sums, :mod:`cce.gradient_tiles`) times the mean classifier row. The dropped entries are
@@ -37,6 +42,8 @@ from cce.live_lists import TileLists, live_lists
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
 from cce.partial_sums import sum_partials
 from cce.scratch import Scratch, segment_offsets
+from cce.weighted_sum import weighted_sum
+from cce.weighting import RankOneTerm
 
 
 class MassCorrection(NamedTuple):
@@ -56,17 +63,38 @@ class MassCorrection(NamedTuple):
                    torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device))
 
 
+class RankOneUpdate(NamedTuple):
+    """``row_factor[row] * column_vector`` added to each output row of a product (and, for dC,
+    ``row_factor * bias_factor`` to the bias gradient): the rank-one term of G (module
+    docstring)."""
+
+    row_factor: Optional[torch.Tensor]  # float32, indexed like the output's rows; None: ones
+    column_vector: torch.Tensor  # float32 (D,)
+    bias_factor: Optional[torch.Tensor]  # float32 scalar (dC only)
+
+    @classmethod
+    def for_embeddings(cls, term: RankOneTerm, c: torch.Tensor) -> "RankOneUpdate":
+        """dE's: ``u (w^T C)``."""
+        return cls(term.scale, weighted_sum(c, term.weight), None)
+
+    @classmethod
+    def for_classifier(cls, term: RankOneTerm, e: torch.Tensor) -> "RankOneUpdate":
+        """dC's and the bias gradient's: ``w (u^T E)`` and ``w sum(u)``."""
+        return cls(term.weight, weighted_sum(e, term.scale), term.scale.sum())
+
+
 @triton.jit
 def sparse_tile_matmul_kernel(
     scratch_ptr, pages_ptr, live_lists_ptr, live_counts_ptr, first_slots_ptr, slot_map_ptr,
     operand_ptr,
     vocab_order_ptr, out_ptr, partial_ptr, grad_bias_ptr,
     classifier_mean_ptr, prob_scale_ptr, kept_mass_ptr,
+    rank_one_rows_ptr, rank_one_columns_ptr, rank_one_bias_ptr,
     num_tokens, vocab_size, dim, chunk_vocab_blocks, page_stride,
     first_block, num_out_blocks, list_stride, stride_operand_row, stride_operand_dim,
     TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    MASS_CORRECTION: tl.constexpr, SPLITS: tl.constexpr, SLOT_MAP: tl.constexpr,
-    SCRATCH_IN_ORDER: tl.constexpr,
+    MASS_CORRECTION: tl.constexpr, RANK_ONE: tl.constexpr, RANK_ONE_ROWS: tl.constexpr,
+    SPLITS: tl.constexpr, SLOT_MAP: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr,
     SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     BLOCK_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -144,6 +172,17 @@ def sparse_tile_matmul_kernel(
             classifier_mean = tl.load(classifier_mean_ptr + out_dims, mask=out_mask, other=0.0)
             acc += dropped[:, None] * classifier_mean[None, :]
 
+    if RANK_ONE:
+        if split == 0:
+            if RANK_ONE_ROWS:
+                factor = tl.load(rank_one_rows_ptr + out_rows, mask=row_mask, other=0.0)
+            else:
+                factor = row_mask.to(tl.float32)
+            columns = tl.load(rank_one_columns_ptr + out_dims, mask=out_mask, other=0.0)
+            acc += factor[:, None] * columns[None, :]
+            if HAS_BIAS:
+                grad_bias += factor * tl.load(rank_one_bias_ptr)
+
     if SPLITS == 1:
         tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * dim + out_dims[None, :],
                  round_to(acc, out_ptr.dtype.element_ty, DOT_PRECISION),
@@ -163,27 +202,31 @@ def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Te
                               vocab_order: Optional[torch.Tensor], grad_e: torch.Tensor,
                               token_blocks: range, room: Optional[torch.Tensor] = None,
                               mass_correction: Optional[MassCorrection] = None,
+                              rank_one: Optional[RankOneUpdate] = None,
                               slot_map: Optional[torch.Tensor] = None) -> None:
     """``grad_e[rows of token_blocks] = G @ c`` for a chunk of whole rows of the tile grid
     (pass 1: stored whole rows of the grid, ``flags`` say which tiles hold something), plus the
-    filtered mass along the mean row of c when ``mass_correction`` is given.
+    filtered mass along the mean row of c when ``mass_correction`` is given, plus ``rank_one``
+    (:meth:`RankOneUpdate.for_embeddings`) when given.
     ``room``: free float32 memory for the partial sums of a split product. ``slot_map``: int32
     (token blocks, vocabulary blocks), the slot of each flagged tile when the tiles are stored
     in slots (as for the dC product) rather than as whole rows of the grid."""
     lists, counts = live_lists(flags[token_blocks.start:token_blocks.stop])
     _launch(scratch, lists, counts, None, c, vocab_order, grad_e, None, token_blocks.start,
             flags.shape[1], transposed=False, room=room, mass_correction=mass_correction,
-            slot_map=slot_map)
+            rank_one=rank_one, slot_map=slot_map)
 
 
 def gradient_times_classifier(scratch: Scratch, tile_lists: TileLists, e: torch.Tensor,
                               vocab_order: Optional[torch.Tensor], grad_c: torch.Tensor,
-                              grad_bias: Optional[torch.Tensor], vocab_blocks: range) -> None:
+                              grad_bias: Optional[torch.Tensor], vocab_blocks: range,
+                              rank_one: Optional[RankOneUpdate] = None) -> None:
     """``grad_c[rows of vocab_blocks] = G^T @ e`` (and the bias gradient) for a chunk of whole
-    columns of the tile grid (pass 2: the tiles of ``tile_lists``, each in its slot)."""
+    columns of the tile grid (pass 2: the tiles of ``tile_lists``, each in its slot), plus
+    ``rank_one`` (:meth:`RankOneUpdate.for_classifier`) when given."""
     _launch(scratch, tile_lists.lists, tile_lists.counts, tile_lists.first_slots, e,
             vocab_order, grad_c, grad_bias, vocab_blocks.start, len(vocab_blocks),
-            transposed=True)
+            transposed=True, rank_one=rank_one)
 
 
 def _block_out(dim: int, dtype: torch.dtype) -> int:
@@ -218,6 +261,7 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             grad_bias: Optional[torch.Tensor], first_block: int, chunk_vocab_blocks: int,
             transposed: bool, room: Optional[torch.Tensor] = None,
             mass_correction: Optional[MassCorrection] = None,
+            rank_one: Optional[RankOneUpdate] = None,
             slot_map: Optional[torch.Tensor] = None) -> None:
     configs = kernel_configs(operand.dtype)
     grid, config = configs.live_grid, configs.sparse_tile_matmul
@@ -237,15 +281,18 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
     num_tokens = out.shape[0] if not transposed else operand.shape[0]
     vocab_size = out.shape[0] if transposed else operand.shape[0]
     correction = mass_correction or MassCorrection(None, None, None)  # None: unused pointers
+    update = rank_one or RankOneUpdate(None, None, None)
     sparse_tile_matmul_kernel[(programs * splits,)](
         scratch.buffer, scratch.pages, lists, counts, first_slots, slot_map, operand,
         vocab_order, out,
         partial, grad_bias, correction.classifier_mean, correction.prob_scale,
-        correction.kept_mass, num_tokens, vocab_size, dim, chunk_vocab_blocks,
+        correction.kept_mass, update.row_factor, update.column_vector, update.bias_factor,
+        num_tokens, vocab_size, dim, chunk_vocab_blocks,
         scratch.page_stride, first_block, num_out_blocks,
         lists.stride(0), operand.stride(0), operand.stride(1),
         TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
-        MASS_CORRECTION=mass_correction is not None, SPLITS=splits,
+        MASS_CORRECTION=mass_correction is not None, RANK_ONE=rank_one is not None,
+        RANK_ONE_ROWS=update.row_factor is not None, SPLITS=splits,
         SLOT_MAP=slot_map is not None,
         SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,

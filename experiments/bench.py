@@ -132,6 +132,7 @@ class Method:
     name: str
     loss: Callable[[], Loss]  # builds the loss function; raises ImportError when not installed
     needs_cuda: bool = False
+    label_smoothing: float = 0.0  # of the loss, and so of its float64 reference
 
 
 def _cce_variant_loss(impl: str, options: dict[str, Any]) -> Callable[[], Loss]:
@@ -156,6 +157,8 @@ def _liger_loss() -> Loss:
 
 METHODS: dict[str, Method] = {method.name: method for method in (
     *(Method(v.name, _cce_variant_loss(v.impl, v.options)) for v in variants()),
+    Method("cce (label_smoothing=0.1)", _cce_variant_loss("cce", {"label_smoothing": 0.1}),
+           label_smoothing=0.1),
     Method("cut_cross_entropy", _apple_cce_loss, needs_cuda=True),
     Method("liger", _liger_loss, needs_cuda=True),
 )}
@@ -243,8 +246,14 @@ def measure_shape(shape: Shape, methods: Sequence[str], how: Timing, *,
             info["reference_loss"] = float(reference[0])
         _SHAPE_INFO[key] = info
         for name in progress(missing, shape.name, leave=False):
-            _ROWS[(*key, name)] = (_measure(METHODS[name], shape, e, c, targets, reference, how),
+            method = METHODS[name]
+            method_reference = (float64_reference(e, c, targets,
+                                                  label_smoothing=method.label_smoothing)
+                                if reference is not None and method.label_smoothing
+                                else reference)
+            _ROWS[(*key, name)] = (_measure(method, shape, e, c, targets, method_reference, how),
                                    accuracy)
+            del method_reference
         del e, c, targets, reference
         if ON_GPU:
             torch.cuda.empty_cache()

@@ -143,9 +143,10 @@ REFERENCE_CHUNK_BYTES = 2**30
 
 
 def float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                      chunk_bytes: int = REFERENCE_CHUNK_BYTES
+                      chunk_bytes: int = REFERENCE_CHUNK_BYTES, label_smoothing: float = 0.0
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float64 ``(loss, dE, dC)`` of the mean cross-entropy of ``e @ c.T`` (ignore_index -100).
+    """Float64 ``(loss, dE, dC)`` of the mean cross-entropy of ``e @ c.T`` (ignore_index -100),
+    with F.cross_entropy's ``label_smoothing``.
 
     The full float64 logits (17 GB for 8192 x 262144) never exist: the tokens go through in
     chunks of ``chunk_bytes`` of logits, each chunk's softmax gradient turned into its rows of
@@ -167,10 +168,18 @@ def float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
         logits = e64[rows] @ c64.T
         lse = torch.logsumexp(logits, dim=1, keepdim=True)
         target_logit = logits.gather(1, chunk_targets)
-        loss_sum += ((lse - target_logit).squeeze(1) * chunk_valid).sum()
-        # d(mean loss)/d(logits) = (softmax - onehot(target)) / n_valid on valid rows, in place.
+        # The logit that the smoothed target distribution averages.
+        scored_logit = (1 - label_smoothing) * target_logit
+        if label_smoothing:
+            scored_logit += label_smoothing * logits.mean(dim=1, keepdim=True)
+        loss_sum += ((lse - scored_logit).squeeze(1) * chunk_valid).sum()
+        # d(mean loss)/d(logits) = (softmax - smoothed onehot(target)) / n_valid on valid rows,
+        # in place.
         grad_logits = logits.sub_(lse).exp_()
-        grad_logits.scatter_add_(1, chunk_targets, -torch.ones_like(target_logit))
+        grad_logits.scatter_add_(1, chunk_targets,
+                                 torch.full_like(target_logit, label_smoothing - 1))
+        if label_smoothing:
+            grad_logits -= label_smoothing / c.shape[0]
         grad_logits *= (chunk_valid.double() / n_valid)[:, None]
         grad_e[rows] = grad_logits @ c64
         grad_c.addmm_(grad_logits.T, e64[rows])

@@ -39,6 +39,8 @@ def reference(
     shift: int = 0,
     grad_output: Optional[torch.Tensor] = None,
     grad_lse: Optional[torch.Tensor] = None,
+    weight: Optional[torch.Tensor] = None,
+    label_smoothing: float = 0.0,
 ) -> Result:
     """float64 loss, lse and gradients, with the semantics of ``cce.linear_cross_entropy``.
 
@@ -46,7 +48,8 @@ def reference(
     the last ``shift`` positions contribute nothing (they are 0 in the "none" loss).
     ``grad_output`` is the upstream gradient of the loss (ones when None); ``grad_lse``, when
     given, that of the lse, so the gradients are those of ``sum(loss * grad_output) +
-    sum(lse * grad_lse)``.
+    sum(lse * grad_lse)``. ``weight`` and ``label_smoothing``: F.cross_entropy's (the weights
+    in float64).
     """
     e64 = e.detach().double().requires_grad_()
     c64 = c.detach().double().requires_grad_()
@@ -67,7 +70,9 @@ def reference(
     else:
         scored_logits, scored_targets = logits, targets
     loss = F.cross_entropy(scored_logits.reshape(-1, c.shape[0]), scored_targets.reshape(-1),
-                           ignore_index=ignore_index, reduction=reduction)
+                           weight=None if weight is None else weight.double(),
+                           ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
     if reduction == "none":
         loss = loss.reshape(scored_targets.shape)
         if shift:

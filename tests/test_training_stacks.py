@@ -106,12 +106,14 @@ def test_ops_pass_torch_library_opcheck(filter_eps, device: str, gen: torch.Gene
     inputs = make_inputs(gen, device, torch.float32, bias=True, ignored_fraction=0.2)
     targets = torch.where(inputs.targets >= 0, inputs.targets, -1)
     e, c, bias = _leaves(inputs.e, inputs.c, inputs.bias)
-    forward_args = (e, c, bias, targets, None, filter_eps, True, True, True)
+    forward_args = (e, c, bias, targets, None, None, filter_eps, True, True, 0.0, False, False,
+                    True)
     torch.library.opcheck(loss_forward, forward_args)
     _, lse, order, tile_bound = loss_forward(*forward_args)
     grad_loss = make_grad_output(gen, inputs, "none")
-    backward_args = (inputs.e, inputs.c, inputs.bias, targets, lse.detach(), order, tile_bound,
-                     grad_loss, torch.zeros_like(grad_loss), None, filter_eps, True, True, True)
+    backward_args = (inputs.e, inputs.c, inputs.bias, targets, None, lse.detach(), order,
+                     tile_bound, grad_loss, torch.zeros_like(grad_loss), None, filter_eps, True,
+                     0.0, False, True, True)
     torch.library.opcheck(loss_backward, backward_args)
 
 

@@ -68,6 +68,8 @@ def patch(
     filter_eps: Union[float, Literal["auto"], None] = "auto",
     vocab_sorting: bool = True,
     filter_correction: bool = True,
+    weight: Optional[torch.Tensor] = None,
+    label_smoothing: float = 0.0,
 ) -> PreTrainedModel:
     """Make ``model`` compute its loss with :func:`cce.linear_cross_entropy`, in place.
 
@@ -78,8 +80,14 @@ def patch(
     Args:
         model: a ``*ForCausalLM`` with a base model ``model.model`` and an ``nn.Linear``
             ``model.lm_head``.
-        impl, filter_eps, vocab_sorting, filter_correction: as in
-            :func:`cce.linear_cross_entropy`.
+        impl, filter_eps, vocab_sorting, filter_correction, weight, label_smoothing: as in
+            :func:`cce.linear_cross_entropy` (``weight`` on the device of ``lm_head``).
+            transformers' own loss has neither of the last two. Trainer's
+            ``label_smoothing_factor`` keeps the labels from the model and smooths its logits,
+            so the model's own forward runs and builds them: leave it at 0 and pass
+            ``label_smoothing`` here. With ``num_items_in_batch`` (gradient accumulation) the
+            loss is the sum divided by that count of tokens, not by the summed ``weight`` of
+            their targets.
 
     Returns:
         ``model`` itself.
@@ -90,7 +98,8 @@ def patch(
     _check_supported(model)
     # Builds nothing that is kept: it validates the options now rather than at the first step.
     options = dict(impl=impl, filter_eps=filter_eps, vocab_sorting=vocab_sorting,
-                   filter_correction=filter_correction)
+                   filter_correction=filter_correction, weight=weight,
+                   label_smoothing=label_smoothing)
     cce.LinearCrossEntropy(**options)
     unpatch(model)
     model._cce_patch = _Patch(

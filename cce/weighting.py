@@ -1,0 +1,96 @@
+"""Class weights and label smoothing, as ``F.cross_entropy`` defines them, from the plain loss.
+
+For a non-ignored token i with target y, logits z_i over V classes, LSE L_i, class weights w
+(all 1 without weights), W = sum_v w_v and label smoothing s, F.cross_entropy's per-token loss is
+
+    loss_i = (1 - s) w_y (L_i - z_iy) + (s / V) sum_v w_v (L_i - z_iv)
+           = (1 - s) w_y (L_i - z_iy) + (s / V) (W L_i - m_i),    m_i = sum_v w_v z_iv,
+
+and 0 for an ignored token; "mean" divides the sum of the losses by the summed weights of the
+non-ignored targets. The gradient of g_i * loss_i with respect to z_iv is
+
+    g_i ((1 - s) w_y + s W / V) p_iv  -  g_i (1 - s) w_y [v = y]  +  u_i w_v,   u_i = -g_i s / V,
+
+the plain loss's softmax and target terms with other scales, plus a rank-one term ``u w^T``.
+An implementation that does not build the logits adds that term's products in closed form:
+``dE += u (w^T C)``, ``dC += w (u^T E)``, ``dbias += w sum(u)``.
+
+Every implementation gets a :class:`LossWeighting` and returns F.cross_entropy's per-token loss
+(``reduction="none"``); :mod:`cce.loss` reduces it. Those that build no logits compute the plain
+pieces (L, z_iy, m) and use :meth:`LossWeighting.token_loss` and
+:meth:`LossWeighting.gradient_scales` for the rest.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class GradientScales(NamedTuple):
+    """Per-token float32 (N,) factors of the gradient of the logits (module docstring)."""
+
+    softmax: torch.Tensor  # of p_iv; the LSE's own upstream gradient is not included
+    target: torch.Tensor  # of [v = y_i]
+    uniform: Optional[torch.Tensor]  # u_i, of w_v; None without label smoothing
+
+
+class RankOneTerm(NamedTuple):
+    """The gradient of the logits' rank-one term ``scale[i] * weight[v]`` (module docstring)."""
+
+    scale: Optional[torch.Tensor]  # float32 (N,): u
+    weight: Optional[torch.Tensor]  # float32 (V,); None: every class weighs 1
+
+
+class LossWeighting(NamedTuple):
+    """F.cross_entropy's ``weight`` and ``label_smoothing`` (already checked by cce.loss)."""
+
+    weight: Optional[torch.Tensor] = None  # float32 (V,); None: every class weighs 1
+    label_smoothing: float = 0.0
+
+    def to(self, device: torch.device) -> "LossWeighting":
+        """The same, with the weights on ``device``."""
+        return self._replace(weight=None if self.weight is None else self.weight.to(device))
+
+    def target_weight(self, targets: torch.Tensor) -> torch.Tensor:
+        """float32 (N,) weight of each token's target, 0 where ``targets`` is -1 (ignored)."""
+        valid = targets >= 0
+        if self.weight is None:
+            return valid.float()
+        return torch.where(valid, self.weight[targets.clamp(min=0)], 0.0)
+
+    def target_weight_sum(self, targets: torch.Tensor) -> torch.Tensor:
+        """What "mean" divides by: the summed weights of the non-ignored targets (their count,
+        exact, without weights)."""
+        if self.weight is None:
+            return (targets >= 0).sum()
+        return self.target_weight(targets).sum()
+
+    def weight_sum(self, vocab_size: int) -> float | torch.Tensor:
+        """W, the sum of the class weights."""
+        return vocab_size if self.weight is None else self.weight.sum()
+
+    def token_loss(self, cross_entropy: torch.Tensor, lse: torch.Tensor,
+                   logit_sum: Optional[torch.Tensor], targets: torch.Tensor,
+                   vocab_size: int) -> torch.Tensor:
+        """F.cross_entropy's per-token loss from the plain one (``cross_entropy``, L - z_y),
+        ``lse`` and ``logit_sum`` (m; needed with label smoothing only): float32 (N,), 0 at
+        ignored tokens (``targets`` -1)."""
+        smoothing = self.label_smoothing
+        loss = (1 - smoothing) * self.target_weight(targets) * cross_entropy
+        if smoothing:
+            loss = loss + smoothing / vocab_size * (self.weight_sum(vocab_size) * lse - logit_sum)
+        return torch.where(targets >= 0, loss, 0.0)
+
+    def gradient_scales(self, grad_loss: torch.Tensor, targets: torch.Tensor,
+                        vocab_size: int) -> GradientScales:
+        """The factors of the gradient of ``sum(grad_loss * loss)`` with respect to the logits
+        (module docstring); 0 at ignored tokens (``targets`` -1)."""
+        grad = torch.where(targets >= 0, grad_loss.float(), 0.0)
+        smoothing = self.label_smoothing
+        target = grad * ((1 - smoothing) * self.target_weight(targets))
+        if not smoothing:
+            return GradientScales(target, target, None)
+        softmax = target + grad * (smoothing * self.weight_sum(vocab_size) / vocab_size)
+        return GradientScales(softmax, target, grad * (-smoothing / vocab_size))
