@@ -23,6 +23,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         )
 
 from cce.loss import IMPLEMENTATIONS, LinearCrossEntropy, linear_cross_entropy  # noqa: E402
+from cce.vocab_parallel import VocabParallelOptions  # noqa: E402
 
-__all__ = ["IMPLEMENTATIONS", "LinearCrossEntropy", "linear_cross_entropy"]
+__all__ = ["IMPLEMENTATIONS", "LinearCrossEntropy", "VocabParallelOptions",
+           "linear_cross_entropy"]
 __version__ = "0.1.0"

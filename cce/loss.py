@@ -16,6 +16,8 @@ from torch import nn
 
 from cce import baselines
 from cce.cce_function import cce_loss
+from cce.vocab_parallel import (VocabParallelOptions, check_options, check_shards,
+                                reject_dtensors, vocab_parallel_loss)
 
 Implementation = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -49,6 +51,7 @@ def linear_cross_entropy(
     filter_correction: bool = True,
     return_lse: bool = False,
     impl: str = "cce",
+    vocab_parallel: Optional[VocabParallelOptions] = None,
 ) -> Union[torch.Tensor, "tuple[torch.Tensor, torch.Tensor]"]:
     """Cross-entropy of the logits ``e @ c.T + bias`` against ``targets``, without building them.
 
@@ -81,28 +84,43 @@ def linear_cross_entropy(
         return_lse: also return the log-sum-exp of every row, shape of ``targets``.
         impl: "cce" (Triton kernels), "torch" (materialized logits), "torch_compile" or
             "chunked" (8 compiled chunks, torchtune-style).
+        vocab_parallel: with a classifier split over the vocabulary across the ranks of a
+            process group, this rank's shard (:class:`cce.VocabParallelOptions`): ``c`` (and
+            ``bias``) are rows ``[start, stop)`` of the full classifier, ``e`` and ``targets``
+            (global ids) the same on every rank. Every rank gets the loss (and lse) of the
+            whole vocabulary and the full gradient of ``e``; ``c`` and ``bias`` get their
+            shard's. Collective: every rank of the group must call it. impl "cce" or "torch".
 
     Returns:
         The loss, or ``(loss, lse)`` when ``return_lse`` is True.
     """
+    reject_dtensors(e=e, c=c, targets=targets, bias=bias)
+    check_options(vocab_parallel, impl)
+    vocab_size = c.shape[0] if vocab_parallel is None else check_shards(vocab_parallel, e, c)
     _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
                      vocab_sorting, filter_correction, impl)
     eps = default_filter_eps(e.dtype) if filter_eps == "auto" else filter_eps
 
     canonical_targets, out_of_range = _canonical_targets(targets, ignore_index, shift,
-                                                         c.shape[0])
+                                                         vocab_size)
     any_out_of_range = out_of_range.any()
     read_any_out_of_range = _start_host_read(any_out_of_range)
     flat_e = e.reshape(-1, e.shape[-1])
-    token_loss, lse = IMPLEMENTATIONS[impl](
-        flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting,
-        filter_correction
-    )
+    if vocab_parallel is None:
+        token_loss, lse = IMPLEMENTATIONS[impl](
+            flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting,
+            filter_correction
+        )
+    else:
+        token_loss, lse = vocab_parallel_loss(
+            flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting,
+            filter_correction, vocab_parallel, impl
+        )
     if read_any_out_of_range is None:
         # No host check possible (torch.compile, CUDA graph capture): poison the loss instead.
         token_loss = torch.where(any_out_of_range, float("nan"), token_loss)
     elif read_any_out_of_range():
-        raise ValueError(f"targets must be in [0, {c.shape[0]}) or equal ignore_index="
+        raise ValueError(f"targets must be in [0, {vocab_size}) or equal ignore_index="
                          f"{ignore_index}; found {targets[out_of_range][0].item()}")
 
     valid = canonical_targets >= 0
@@ -133,15 +151,17 @@ class LinearCrossEntropy(nn.Module):
         filter_correction: bool = True,
         return_lse: bool = False,
         impl: str = "cce",
+        vocab_parallel: Optional[VocabParallelOptions] = None,
     ) -> None:
         super().__init__()
         _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
                        filter_correction, impl)
+        check_options(vocab_parallel, impl)
         self.bias = bias
         self.options = dict(ignore_index=ignore_index, softcap=softcap, reduction=reduction,
                             shift=shift, filter_eps=filter_eps, vocab_sorting=vocab_sorting,
                             filter_correction=filter_correction, return_lse=return_lse,
-                            impl=impl)
+                            impl=impl, vocab_parallel=vocab_parallel)
 
     def forward(self, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor):
         return linear_cross_entropy(e, c, targets, bias=self.bias, **self.options)
