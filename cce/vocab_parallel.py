@@ -82,7 +82,7 @@ def check_options(vocab_parallel: Optional[VocabParallelOptions], impl: str) -> 
 
 
 def reject_dtensors(**tensors: Optional[torch.Tensor]) -> None:
-    """A DTensor argument raises: the loss works on local tensors (its shard: ``vocab_parallel``)."""
+    """Raise on a DTensor argument: the loss takes local tensors (a shard: ``vocab_parallel``)."""
     # No DTensor can exist unless its module was imported: importing it here would cost time.
     module = sys.modules.get("torch.distributed.tensor")
     if module is None:

@@ -91,7 +91,7 @@ def shard_result(result: Result, start: int, stop: int) -> Result:
 
 def assert_same_on_every_rank(result: Result, world_size: int) -> None:
     for name in ("loss", "lse", "grad_e"):
-        value = getattr(result, name).float().contiguous()  # exact; gloo has no bfloat16
+        value = getattr(result, name).float().contiguous()  # float32 holds 16-bit values exactly
         gathered = [torch.empty_like(value) for _ in range(world_size)]
         dist.all_gather(gathered, value)
         assert all(torch.equal(other, gathered[0]) for other in gathered), (
@@ -157,12 +157,14 @@ def shards_skip_negligible_tiles(rank: int, world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_rank_gets_the_unsharded_results(world_size: int, tmp_path: Path) -> None:
+    """Every case of CASES, then the tile skipping of shards_skip_negligible_tiles."""
     run_ranks(matches_unsharded_worker, world_size, tmp_path, timeout_s=SPAWN_TIMEOUT_S)
 
 
 # Ranges of 3 ranks that do not partition [0, V) in rank order, and the error every rank raises.
 BAD_RANGES = (
-    (((0, 40), (40, 40), (40, V)), r"rank 1 holds rows \[40, 40\).*stop must be greater than start"),
+    (((0, 40), (40, 40), (40, V)), r"rank 1 holds rows \[40, 40\).*stop must be greater than "
+                                   r"start"),
     (((0, 40), (40, 30), (30, V)), r"rank 1 holds rows \[40, 30\)"),
     (((5, 40), (40, 211), (211, V)), r"rank 0's rows \[5, 40\) must start at 0"),
     (((0, 40), (45, 211), (211, V)), r"rank 1's rows \[45, 211\) leave a gap after rank 0's "
@@ -172,8 +174,8 @@ BAD_RANGES = (
 
 
 def bad_arguments_worker(rank: int, world_size: int) -> None:
-    """Every rank raises the same ValueError; a good call afterwards shows that no rank was
-    left inside a collective."""
+    """Every rank raises the same ValueError; good calls afterwards (one without tokens) show
+    that no rank was left inside a collective."""
     gen = torch.Generator().manual_seed(0)
     e, c = torch.randn(N, D, generator=gen), torch.randn(V, D, generator=gen)
     targets = torch.randint(0, V, (N,), generator=gen)
@@ -201,6 +203,12 @@ def bad_arguments_worker(rank: int, world_size: int) -> None:
         cce.linear_cross_entropy(e, sharded_c, targets)
 
     assert torch.isfinite(call(good_ranges))
+    start, stop = good_ranges[rank]
+    c_local = c[start:stop].requires_grad_()
+    no_tokens = cce.linear_cross_entropy(e[:0], c_local, targets[:0], reduction="sum",
+                                         vocab_parallel=cce.VocabParallelOptions(start, stop))
+    no_tokens.backward()
+    assert no_tokens == 0 and torch.equal(c_local.grad, torch.zeros_like(c_local))
 
 
 def test_inconsistent_ranges_raise_on_every_rank(tmp_path: Path) -> None:

@@ -193,7 +193,10 @@ def _as_lm_head_forward(lm_head: nn.Module, hidden_states: torch.Tensor,
 def _is_fsdp2_module(module: nn.Module) -> bool:
     if not torch.distributed.is_available():
         return False
-    from torch.distributed.fsdp import FSDPModule
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6 has FSDP2 under its former name
+        from torch.distributed._composable.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
 
