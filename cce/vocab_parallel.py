@@ -112,23 +112,24 @@ def check_shards(vocab_parallel: VocabParallelOptions, e: torch.Tensor, c: torch
     # CUDA tensors alike) all support.
     dist.all_reduce(table, group=group)
     ranges = table.tolist()
+    previous: Optional[tuple[int, int]] = None  # the range of the rank before
     for rank, (start, stop, rank_rows) in enumerate(ranges):
         if stop <= start:
             raise ValueError(f"vocab_parallel: rank {rank} holds rows [{start}, {stop}) of the "
                              f"classifier: stop must be greater than start")
-        if rank == 0 and start != 0:
+        if previous is None and start != 0:
             raise ValueError(f"vocab_parallel: rank 0's rows [{start}, {stop}) must start at 0 "
                              f"(the ranks' ranges partition [0, V) in rank order)")
-        previous_start, previous_stop, _ = ranges[rank - 1]
-        if rank > 0 and start != previous_stop:
-            problem = "leave a gap after" if start > previous_stop else "overlap"
+        if previous is not None and start != previous[1]:
+            problem = "leave a gap after" if start > previous[1] else "overlap"
             raise ValueError(f"vocab_parallel: rank {rank}'s rows [{start}, {stop}) {problem} "
-                             f"rank {rank - 1}'s [{previous_start}, {previous_stop}) (the ranks' "
+                             f"rank {rank - 1}'s [{previous[0]}, {previous[1]}) (the ranks' "
                              f"ranges partition [0, V) in rank order)")
         if rank_rows != stop - start:
             raise ValueError(f"vocab_parallel: rank {rank}'s c has {rank_rows} rows (a (rows, D) "
                              f"tensor expected) for its range [{start}, {stop}) of "
                              f"{stop - start} rows")
+        previous = (start, stop)
     return ranges[-1][1]
 
 
