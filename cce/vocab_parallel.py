@@ -17,7 +17,8 @@ log-sum-exp and its target's logit, so the ranks exchange per-token values, neve
   each rank and summed by one all-reduce.
 
 Before any of that, the ranks all-gather their ``(start, stop, rows of c)`` so that every rank
-checks the same list: inconsistent ranges raise the same ValueError on every rank, not a hang.
+checks the same list: inconsistent ranges raise the same ValueError on every rank, not a hang
+(the one host sync of a call, to read the list).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """cce.integrations.transformers.patch on a model sharded by FSDP2 (``fully_shard``).
 
 FSDP2 runs on CPU tensors over gloo (torch 2.13), so this runs in CI: 2 processes over gloo, each
-with the same tiny model, sharded by decoder layer and at the root. The patched sharded model's
+with the same tiny model, sharded by decoder layer and at the root over a CPU device mesh (also on
+a machine with GPUs, where cce runs its kernels there). The patched sharded model's
 loss and gradients (the full tensors of the sharded ones) match those of the model unwrapped and
 unpatched, as in tests/test_integration_transformers.py. The spawn has a time limit, so a hang
 fails (tests/distributed.py).
@@ -31,16 +32,19 @@ CASES = (("llama", True), ("gemma2", False))
 
 
 def fsdp_worker(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # Explicitly on the CPU: fully_shard's default mesh is on the GPUs when there are some.
+    mesh = init_device_mesh("cpu", (world_size,))
     for family, shard_lm_head in CASES:
         reference = tiny_model(family, "cpu")
         model = copy.deepcopy(reference)
         for layer in model.model.layers:
-            fully_shard(layer)
+            fully_shard(layer, mesh=mesh)
         if shard_lm_head:
-            fully_shard(model.lm_head)
-        fully_shard(model)
+            fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         patch(model)
         inputs = make_batch(torch.Generator().manual_seed(0), "cpu")
 

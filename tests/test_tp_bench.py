@@ -1,5 +1,6 @@
 """The tensor-parallel benchmark (experiments.tp_bench), launched as documented: torchrun with two
-processes, at its quick size on the CPU over gloo. The launch has a time limit, so a hang fails.
+processes over gloo, at its quick size (on the CPU, or on the GPUs there are). The launch has a
+time limit, so a hang fails.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ TIMEOUT_S = 600
 def test_two_ranks_at_quick_size_write_agreeing_results(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", "-m", "experiments.tp_bench", "--quick",
-               "--out", str(tmp_path)]
+               "--backend", "gloo", "--out", str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # A session of its own: on a timeout, torchrun's workers are killed with it.
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
