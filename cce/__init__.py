@@ -16,5 +16,8 @@ if interpreting():
             stacklevel=2,
         )
 
-__all__ = ["IMPLEMENTATIONS", "LinearCrossEntropy", "linear_cross_entropy"]
+from cce.vocab_parallel import VocabParallelOptions
+
+__all__ = ["IMPLEMENTATIONS", "LinearCrossEntropy", "VocabParallelOptions",
+           "linear_cross_entropy"]
 __version__ = "0.1.0"

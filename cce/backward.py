@@ -53,6 +53,7 @@ def linear_cross_entropy_backward(
     live_tiles: Optional[torch.Tensor], filter_eps: Optional[float], needs_grad_e: bool,
     needs_grad_c: bool, mass_correction: bool = False,
     rank_one: Optional[RankOneTerm] = None, keep_tiles: bool = False,
+    shard_mass: Optional[torch.Tensor] = None, grad_e_dtype: Optional[torch.dtype] = None,
 ) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
     """(dE, dC, dbias), each None when not needed. ``target_positions``: see
     :func:`cce.vocab_order.target_positions`; ``live_tiles``: the live-grid table of tiles that
@@ -62,7 +63,10 @@ def linear_cross_entropy_backward(
     gradient (label smoothing, :mod:`cce.weighting`), or None; ``keep_tiles``: when both
     gradients are needed and the host may wait, recompute every live tile once into a buffer of
     its own and run both products from it (:func:`_kept_tiles_backward`), instead of the two
-    bounded passes."""
+    bounded passes. When ``c`` is one shard of the vocabulary
+    (:mod:`cce.vocab_parallel`), ``lse`` is the whole vocabulary's and ``shard_mass`` (float32
+    (N,)) each row's softmax mass in the shard, which the correction needs. ``grad_e_dtype``:
+    dE's dtype (default e's; float32 for a dE that is summed over shards)."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     grid = kernel_configs(e.dtype).live_grid
@@ -84,14 +88,14 @@ def linear_cross_entropy_backward(
 
     grad_e = None
     if needs_grad_e:
-        grad_e = torch.empty((num_tokens, dim), dtype=e.dtype, device=e.device)
+        grad_e = torch.empty((num_tokens, dim), dtype=grad_e_dtype or e.dtype, device=e.device)
         scratch = _embeddings_pass_scratch(grad_c, e, c, num_vocab_blocks, grid.block_tokens,
                                            grid.block_vocab)
         row_segments = grid.block_tokens * num_vocab_blocks  # one token block, every vocab block
         chunk = _embeddings_chunk(scratch, num_token_blocks, row_segments, dim, e.dtype,
                                   e.device)
         room = _room_after(scratch, chunk * row_segments)
-        correction = MassCorrection.of(c, prob_scale) if mass_correction else None
+        correction = MassCorrection.of(c, prob_scale, shard_mass) if mass_correction else None
         update = RankOneUpdate.for_embeddings(rank_one, c) if rank_one is not None else None
         for first in range(0, num_token_blocks, chunk):
             token_blocks = range(first, min(first + chunk, num_token_blocks))

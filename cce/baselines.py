@@ -20,15 +20,22 @@ from cce.weighting import LossWeighting
 NUM_CHUNKS = 8
 
 
-def _logits_loss_lse(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                     bias: Optional[torch.Tensor], softcap: Optional[float],
-                     weighting: LossWeighting):
+def materialized_logits(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                        softcap: Optional[float]) -> torch.Tensor:
+    """float32 (N, V) logits, rounded to the input dtype first as Hugging Face's are."""
     logits = e @ c.T
     if bias is not None:
         logits = logits + bias
     logits = logits.float()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
+def _logits_loss_lse(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                     bias: Optional[torch.Tensor], softcap: Optional[float],
+                     weighting: LossWeighting):
+    logits = materialized_logits(e, c, bias, softcap)
     loss = F.cross_entropy(logits, targets, weight=weighting.weight, ignore_index=-1,
                            reduction="none", label_smoothing=weighting.label_smoothing)
     return loss, torch.logsumexp(logits, dim=-1)

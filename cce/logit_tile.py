@@ -51,9 +51,10 @@ def round_to(x, dtype, DOT_PRECISION: tl.constexpr):
     """``x.to(dtype)``, rounding to nearest even also in the interpreter (DOT_PRECISION
     "upcast"), whose float32 -> bfloat16 conversion truncates."""
     if DOT_PRECISION == "upcast":
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)  # exact in bfloat16 now: truncation is exact
+        if dtype == tl.bfloat16:  # not for float32 outputs of bfloat16 products
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)  # exact in bfloat16 now: truncation is exact
     return x.to(dtype)
 
 

@@ -24,6 +24,8 @@ from cce.cce_function import cce_loss
 from cce.chunked_torch import chunked_torch_loss
 from cce.config import kernels_run_on
 from cce.weighting import LossWeighting
+from cce.vocab_parallel import (VocabParallelOptions, check_options, check_shards,
+                                reject_dtensors, vocab_parallel_loss)
 
 Implementation = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -82,6 +84,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     deterministic: Optional[bool] = None,
     keep_tiles: bool = False,
+    vocab_parallel: Optional[VocabParallelOptions] = None,
 ) -> Union[torch.Tensor, "tuple[torch.Tensor, torch.Tensor]"]:
     """Cross-entropy of the logits ``e @ c.T + bias`` against ``targets``, without building them.
 
@@ -146,10 +149,22 @@ def linear_cross_entropy(
             16-bit, e.g. +0.9-1.2 GB at N = 8192 on a 128k-256k vocabulary), for a faster
             backward; False (default) keeps the peak at dE + dC + a few MB, recomputing each
             live tile twice. Kernels only.
+        vocab_parallel: with a classifier split over the vocabulary across the ranks of a
+            process group, this rank's shard (:class:`cce.VocabParallelOptions`): ``c`` (and
+            ``bias``) are rows ``[start, stop)`` of the full classifier, ``e`` and ``targets``
+            (global ids) the same on every rank. Every rank gets the loss (and lse) of the
+            whole vocabulary and the full gradient of ``e``; ``c`` and ``bias`` get their
+            shard's. Collective: every rank of the group must call it. impl "cce" or "torch";
+            not with ``weight``, ``label_smoothing``, ``keep_tiles`` or ``deterministic``.
 
     Returns:
         The loss, or ``(loss, lse)`` when ``return_lse`` is True.
     """
+    reject_dtensors(e=e, c=c, targets=targets, bias=bias)
+    check_options(vocab_parallel, impl)
+    if vocab_parallel is not None:
+        _check_vocab_parallel_options(weight, label_smoothing, deterministic, keep_tiles)
+    vocab_size = c.shape[0] if vocab_parallel is None else check_shards(vocab_parallel, e, c)
     e, c, bias = _cast_as_linear_would(e, c, bias)
     _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
                      vocab_sorting, filter_correction, impl, weight, label_smoothing)
@@ -163,19 +178,25 @@ def linear_cross_entropy(
                               float(label_smoothing))
 
     canonical_targets, out_of_range = _canonical_targets(targets, operator.index(ignore_index),
-                                                         shift, c.shape[0])
+                                                         shift, vocab_size)
     any_out_of_range = out_of_range.any()
     read_any_out_of_range = _start_host_read(any_out_of_range)
     flat_e = e.reshape(targets.numel(), e.shape[-1])  # not -1: D may be 0
-    token_loss, lse = IMPLEMENTATIONS[impl](
-        flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting,
-        filter_correction, weighting, **kernel_options
-    )
+    if vocab_parallel is None:
+        token_loss, lse = IMPLEMENTATIONS[impl](
+            flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting,
+            filter_correction, weighting, **kernel_options
+        )
+    else:
+        token_loss, lse = vocab_parallel_loss(
+            flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting,
+            filter_correction, vocab_parallel, impl
+        )
     if read_any_out_of_range is None:
         # No host check possible (torch.compile, CUDA graph capture): poison the loss instead.
         token_loss = torch.where(any_out_of_range, float("nan"), token_loss)
     elif read_any_out_of_range():
-        raise ValueError(f"targets must be in [0, {c.shape[0]}) or equal ignore_index="
+        raise ValueError(f"targets must be in [0, {vocab_size}) or equal ignore_index="
                          f"{ignore_index}; found {targets[out_of_range][0].item()}")
 
     if reduction == "none":
@@ -209,12 +230,14 @@ class LinearCrossEntropy(nn.Module):
         label_smoothing: float = 0.0,
         deterministic: Optional[bool] = None,
         keep_tiles: bool = False,
+        vocab_parallel: Optional[VocabParallelOptions] = None,
     ) -> None:
         super().__init__()
         _check_kernel_flags(deterministic, keep_tiles)
         _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
                        filter_correction, impl, label_smoothing)
         _check_weight(weight)
+        check_options(vocab_parallel, impl)
         self.bias = bias
         # A buffer, as in nn.CrossEntropyLoss: it follows the module's .to() and state_dict.
         self.register_buffer("weight", weight)
@@ -222,7 +245,8 @@ class LinearCrossEntropy(nn.Module):
                             shift=shift, filter_eps=filter_eps, vocab_sorting=vocab_sorting,
                             filter_correction=filter_correction, return_lse=return_lse,
                             impl=impl, label_smoothing=label_smoothing,
-                            deterministic=deterministic, keep_tiles=keep_tiles)
+                            deterministic=deterministic, keep_tiles=keep_tiles,
+                            vocab_parallel=vocab_parallel)
 
     def forward(self, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor):
         return linear_cross_entropy(e, c, targets, bias=self.bias, weight=self.weight,
@@ -230,6 +254,18 @@ class LinearCrossEntropy(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
+
+
+def _check_vocab_parallel_options(weight, label_smoothing, deterministic, keep_tiles) -> None:
+    if weight is not None or label_smoothing:
+        raise ValueError("vocab_parallel does not support weight or label_smoothing")
+    if keep_tiles:
+        raise ValueError("vocab_parallel does not support keep_tiles")
+    if deterministic or (deterministic is None and torch.are_deterministic_algorithms_enabled()):
+        # As torch does for an operation without a deterministic implementation.
+        raise RuntimeError("vocab_parallel has no deterministic implementation (the shards' "
+                           "log-sum-exps are merged under a spin lock): pass deterministic=False "
+                           "or turn torch.use_deterministic_algorithms off")
 
 
 def _check_kernel_flags(deterministic, keep_tiles) -> None:

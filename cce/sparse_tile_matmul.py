@@ -54,13 +54,20 @@ class MassCorrection(NamedTuple):
     kept_mass: torch.Tensor  # int64 (N,): fixed point, see cce.gradient_tiles
 
     @classmethod
-    def of(cls, c: torch.Tensor, prob_scale: torch.Tensor) -> "MassCorrection":
-        """Before pass 1, which adds the kept mass up."""
+    def of(cls, c: torch.Tensor, prob_scale: torch.Tensor,
+           shard_mass: Optional[torch.Tensor] = None) -> "MassCorrection":
+        """Before pass 1, which adds the kept mass up. ``shard_mass``: float32 (N,), each row's
+        softmax mass in c when c is one shard of the vocabulary (None: all of it, 1)."""
         # A matrix-vector product, not torch.mean: on a GPU, torch's reduction over the rows
         # stages partial sums in buffers of 120-270 MB at these shapes (H200, measured).
         row_sum = torch.mv(c.T, c.new_ones(c.shape[0]))
-        return cls(row_sum.float() / c.shape[0], prob_scale,
-                   torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device))
+        kept_mass = torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device)
+        if shard_mass is not None:
+            # Starting from the mass outside the shard, 1 - kept mass is what the filter dropped
+            # in the shard. (A NaN row's gradient is NaN through its tiles anyway.)
+            outside = (1 - shard_mass.double().clamp(0, 1)).nan_to_num(0)
+            kept_mass = (outside * KEPT_MASS_ONE.value).long()
+        return cls(row_sum.float() / c.shape[0], prob_scale, kept_mass)
 
 
 class RankOneUpdate(NamedTuple):

@@ -18,8 +18,10 @@ batch). Every other call (no labels, or ``logits_to_keep``) runs the model's own
 Not for models whose logits or loss involve more than that (Cohere's ``logit_scale``, Granite's
 ``logits_scaling``, a mixture of experts' router loss): :func:`patch` refuses them rather than
 return a different loss. With PEFT, patch the wrapped model: ``patch(peft_model.get_base_model())``.
-The loss reads ``lm_head.weight`` directly, outside ``lm_head``'s forward, so a wrapper that only
-gathers the weight inside that forward (FSDP with flattened parameters) is not supported.
+The loss reads ``lm_head.weight`` outside ``lm_head``'s forward, except under FSDP2
+(``fully_shard``) when ``lm_head`` is sharded as a module of its own: FSDP2 gathers its weight
+only for its forward, so the loss then runs as that forward. FSDP1 (``FullyShardedDataParallel``,
+flattened parameters) is not supported.
 """
 
 from __future__ import annotations
@@ -162,8 +164,10 @@ def _forward_with_cce_loss(model: PreTrainedModel, args: tuple, kwargs: dict) ->
     loss_arguments = {name: arguments.pop(name) for name in LOSS_ARGUMENTS if name in arguments}
     return_dict = arguments.pop("return_dict", None)
     outputs = model.model(**arguments, return_dict=True)
-    loss = _causal_lm_loss(model, outputs.last_hidden_state, labels, state.options,
-                           **loss_arguments)
+    loss = _as_lm_head_forward(
+        model.lm_head, outputs.last_hidden_state,
+        lambda hidden_states: _causal_lm_loss(model, hidden_states, labels, state.options,
+                                              **loss_arguments))
     output = CausalLMOutputWithPast(
         loss=loss,
         logits=None,
@@ -175,6 +179,35 @@ def _forward_with_cce_loss(model: PreTrainedModel, args: tuple, kwargs: dict) ->
     if return_dict is None:
         return_dict = model.config.return_dict
     return output if return_dict else output.to_tuple()
+
+
+def _as_lm_head_forward(lm_head: nn.Module, hidden_states: torch.Tensor,
+                        loss: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``loss(hidden_states)``, run as ``lm_head``'s forward when FSDP2 shards ``lm_head``: outside
+    its forward, its weight is this rank's shard (a DTensor); the hooks of a call of ``lm_head``
+    gather the weight for the loss and reduce its gradient in the backward."""
+    if not _is_fsdp2_module(lm_head):
+        return loss(hidden_states)
+    instance_forward = lm_head.__dict__.get("forward")
+    lm_head.forward = loss
+    try:
+        return lm_head(hidden_states)
+    finally:
+        if instance_forward is None:
+            del lm_head.forward
+        else:
+            lm_head.forward = instance_forward
+
+
+def _is_fsdp2_module(module: nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6 has FSDP2 under its former name
+        from torch.distributed._composable.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 def _named_arguments(forward: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -1,0 +1,290 @@
+"""Vocabulary parallelism: the loss of a classifier whose rows are split over the ranks of a group.
+
+Each rank holds rows ``[start, stop)`` of the (V, D) classifier, the same embeddings ``e`` and the
+same targets (global vocabulary ids). The loss of the whole vocabulary needs, per token, only its
+log-sum-exp and its target's logit, so the ranks exchange per-token values, never logits:
+
+- forward: each rank computes on its shard, with the single-GPU kernels, its target logits (0
+  where the target is another shard's) and its log-sum-exp; one all-reduce SUM gives the target
+  logits, an all-reduce MAX and a SUM of ``exp(local - max)`` the log-sum-exp. Every rank then
+  has the loss (and lse) of the unsharded call, the same on every rank. The target logits are
+  summed first: they are a lower bound of the whole vocabulary's log-sum-exp, which the shard's
+  forward uses for its tile bounds.
+- backward: each rank runs the single-GPU backward on its shard with the global log-sum-exp (its
+  softmax entries are ``exp(z - global lse)``) and the target's ``-1`` only where the target is
+  in its shard. Filtering and vocabulary sorting work per shard, with the global log-sum-exp.
+  ``dC`` and ``dbias`` are the shard's; ``dE``, a sum over the shards, is computed in float32 on
+  each rank and summed by one all-reduce.
+
+Before any of that, the ranks all-gather their ``(start, stop, rows of c)`` so that every rank
+checks the same list: inconsistent ranges raise the same ValueError on every rank, not a hang
+(the one host sync of a call, to read the list).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from cce.backward import linear_cross_entropy_backward
+from cce.baselines import materialized_logits
+from cce.cce_function import recompute_table
+from cce.config import check_interpreter_usable, interpreting
+from cce.indexed_dot import indexed_dot
+from cce.lse_forward import lse_forward
+from cce.vocab_order import target_positions, vocab_order
+
+# The implementations that run vocabulary-parallel: the kernels, and materialized local logits
+# (a reference whose backward is autograd's).
+VOCAB_PARALLEL_IMPLS = ("cce", "torch")
+
+
+@dataclass(frozen=True)
+class VocabParallelOptions:
+    """This rank's shard of a vocabulary-parallel classifier, for
+    :func:`cce.linear_cross_entropy`'s ``vocab_parallel``.
+
+    Args:
+        start, stop: the rank holds rows ``[start, stop)`` of the full classifier (and bias).
+            The ranks' ranges must partition ``[0, V)`` in rank order; sizes may differ.
+        group: the process group of the ranks that hold the shards (None: the default group).
+    """
+
+    start: int
+    stop: int
+    group: Optional[dist.ProcessGroup] = None
+
+    def __post_init__(self) -> None:
+        # Only types here: ranges are checked against every rank's (check_shards), so that
+        # every rank raises.
+        for name in ("start", "stop"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"VocabParallelOptions.{name} must be an int, got {value!r}")
+
+
+def check_options(vocab_parallel: Optional[VocabParallelOptions], impl: str) -> None:
+    """The checks that need no other rank: the type of ``vocab_parallel`` and the impl."""
+    if vocab_parallel is None:
+        return
+    if not isinstance(vocab_parallel, VocabParallelOptions):
+        raise ValueError(f"vocab_parallel must be None or a cce.VocabParallelOptions, got "
+                         f"{type(vocab_parallel).__name__}")
+    if impl not in VOCAB_PARALLEL_IMPLS:
+        raise ValueError(f"impl must be one of {VOCAB_PARALLEL_IMPLS} with vocab_parallel, got "
+                         f"{impl!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("vocab_parallel needs torch.distributed to be initialized "
+                         "(torch.distributed.init_process_group)")
+
+
+def reject_dtensors(**tensors: Optional[torch.Tensor]) -> None:
+    """Raise on a DTensor argument: the loss takes local tensors (a shard: ``vocab_parallel``)."""
+    # No DTensor can exist unless its module was imported: importing it here would cost time.
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return
+    for name, tensor in tensors.items():
+        if isinstance(tensor, module.DTensor):
+            raise ValueError(
+                f"{name} is a DTensor: pass local tensors. For a classifier sharded over the "
+                f"vocabulary, pass {name}.to_local() with vocab_parallel=cce.VocabParallelOptions"
+                f"(start, stop, group); for a replicated one, {name}.full_tensor(). Under FSDP2, "
+                f"compute the loss inside the module's forward, where the weight is gathered "
+                f"(as cce.integrations.transformers.patch does)")
+
+
+def check_shards(vocab_parallel: VocabParallelOptions, e: torch.Tensor, c: torch.Tensor) -> int:
+    """The size of the whole vocabulary, after checking every rank's range against the others'
+    (one all-gather of three integers per rank, on e's device). Raises the same ValueError on
+    every rank when the ranges do not partition [0, V) in rank order or a rank's c does not have
+    stop - start rows. Runs before any other check of the arguments: one that raised on some
+    ranks only would leave the others waiting here."""
+    group = vocab_parallel.group
+    rows = c.shape[0] if isinstance(c, torch.Tensor) and c.dim() == 2 else -1
+    device = e.device if isinstance(e, torch.Tensor) else torch.device("cpu")
+    table = torch.zeros((dist.get_world_size(group), 3), dtype=torch.int64, device=device)
+    table[dist.get_rank(group)] = torch.tensor([vocab_parallel.start, vocab_parallel.stop, rows])
+    # A SUM of rows that only their own rank fills: an all-gather that NCCL and gloo (CPU and
+    # CUDA tensors alike) all support.
+    dist.all_reduce(table, group=group)
+    ranges = table.tolist()
+    previous: Optional[tuple[int, int]] = None  # the range of the rank before
+    for rank, (start, stop, rank_rows) in enumerate(ranges):
+        if stop <= start:
+            raise ValueError(f"vocab_parallel: rank {rank} holds rows [{start}, {stop}) of the "
+                             f"classifier: stop must be greater than start")
+        if previous is None and start != 0:
+            raise ValueError(f"vocab_parallel: rank 0's rows [{start}, {stop}) must start at 0 "
+                             f"(the ranks' ranges partition [0, V) in rank order)")
+        if previous is not None and start != previous[1]:
+            problem = "leave a gap after" if start > previous[1] else "overlap"
+            raise ValueError(f"vocab_parallel: rank {rank}'s rows [{start}, {stop}) {problem} "
+                             f"rank {rank - 1}'s [{previous[0]}, {previous[1]}) (the ranks' "
+                             f"ranges partition [0, V) in rank order)")
+        if rank_rows != stop - start:
+            raise ValueError(f"vocab_parallel: rank {rank}'s c has {rank_rows} rows (a (rows, D) "
+                             f"tensor expected) for its range [{start}, {stop}) of "
+                             f"{stop - start} rows")
+        previous = (start, stop)
+    return ranges[-1][1]
+
+
+def vocab_parallel_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                        bias: Optional[torch.Tensor], softcap: Optional[float],
+                        filter_eps: Optional[float], vocab_sorting: bool,
+                        filter_correction: bool, vocab_parallel: VocabParallelOptions,
+                        impl: str) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Per-token loss and log-sum-exp of the whole vocabulary, float32 (N,), the same on every
+    rank; the canonical signature of :mod:`cce.loss` (``targets``: global ids, -1 = ignored),
+    with ``c`` and ``bias`` this rank's shard."""
+    group = vocab_parallel.group
+    in_shard = (targets >= vocab_parallel.start) & (targets < vocab_parallel.stop)
+    local_targets = torch.where(in_shard, targets - vocab_parallel.start, -1)
+    if e.shape[0] == 0:
+        # No tokens on any rank (e is the same on all): nothing to exchange.
+        connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
+        empty = e.new_zeros(0, dtype=torch.float32) + connected * 0
+        return empty, empty.clone()
+    if impl == "torch":
+        return _materialized_loss(e, c, targets, local_targets, bias, softcap, group)
+    check_interpreter_usable()
+    if e.device.type == "cpu" and not interpreting():
+        raise ValueError("vocab_parallel with impl='cce' needs CUDA tensors here (or the Triton "
+                         "interpreter, TRITON_INTERPRET=1); impl='torch' runs on CPU tensors")
+    if bias is not None:
+        bias = bias.contiguous()  # the kernels index it with unit stride
+    needs_grad = torch.is_grad_enabled() and any(
+        tensor is not None and tensor.requires_grad for tensor in (e, c, bias))
+    return VocabParallelFunction.apply(e, c, bias, targets.contiguous(),
+                                       local_targets.contiguous(), group, softcap, filter_eps,
+                                       vocab_sorting, filter_correction, needs_grad)
+
+
+class VocabParallelFunction(torch.autograd.Function):
+    """Per-token loss and LSE of the whole vocabulary from this rank's shard (module docstring).
+    ``targets``: global ids; ``local_targets``: rows of the shard, -1 where the target is
+    ignored or another shard's."""
+
+    @staticmethod
+    def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                targets: torch.Tensor, local_targets: torch.Tensor,
+                group: Optional[dist.ProcessGroup], softcap: Optional[float],
+                filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
+                needs_grad: bool):
+        records_bounds = needs_grad and filter_eps is not None
+        # The order and the bounds are over the rows with a loss, wherever their target is:
+        # vocab_order and lse_forward only read which targets are ignored (-1).
+        order = vocab_order(e, c, bias, targets) if records_bounds and vocab_sorting else None
+        target_logit = indexed_dot(e, c, local_targets, bias, softcap)  # 0 off the shard
+        dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
+        local_lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
+                                            target_logit if records_bounds else None)
+        lse = _global_lse(local_lse, group)
+        # As on one GPU: a row with an infinite logit has a NaN loss, as in PyTorch.
+        token_loss = torch.where(lse == float("inf"), float("nan"), lse - target_logit)
+        loss = torch.where(targets >= 0, token_loss, 0.0)
+        mass_correction = filter_correction and filter_eps is not None and softcap is None
+        shard_mass = torch.exp(local_lse - lse) if mass_correction and needs_grad else None
+        ctx.save_for_backward(e, c, bias, targets, local_targets, lse, order, tile_bound,
+                              shard_mass)
+        ctx.group = group
+        ctx.softcap = softcap
+        ctx.filter_eps = filter_eps
+        ctx.mass_correction = mass_correction
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
+        e, c, bias, targets, local_targets, lse, order, tile_bound, shard_mass = ctx.saved_tensors
+        # The softmax part of the gradient is every row's with a loss or an lse gradient; the
+        # target part only the shard's targets' (positions -1 elsewhere).
+        target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
+                        if grad_loss is not None else torch.zeros_like(lse))
+        prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
+        positions = target_positions(local_targets, order)
+        live = None
+        if tile_bound is not None:
+            # live_tiles keeps the whole token block of a row with no target position and a
+            # softmax gradient, taking it for an ignored row that the bounds leave out. Rows
+            # whose target is another shard's are in the bounds: a zero scale says so.
+            covered = torch.where((targets >= 0) & (positions < 0), 0.0, prob_scale)
+            live = recompute_table(tile_bound, lse, covered, positions, e.dtype, ctx.filter_eps)
+        needs_grad_e = ctx.needs_input_grad[0]
+        grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
+            e, c, positions, bias, ctx.softcap, lse, prob_scale, target_scale, order, live,
+            ctx.filter_eps, needs_grad_e=needs_grad_e,
+            needs_grad_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
+            mass_correction=ctx.mass_correction, shard_mass=shard_mass,
+            grad_e_dtype=torch.float32 if needs_grad_e else None)
+        if grad_e is not None:
+            dist.all_reduce(grad_e, op=dist.ReduceOp.SUM, group=ctx.group)
+            grad_e = grad_e.to(e.dtype)
+        return grad_e, grad_c, grad_bias, None, None, None, None, None, None, None, None
+
+
+def _materialized_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                       local_targets: torch.Tensor, bias: Optional[torch.Tensor],
+                       softcap: Optional[float], group: Optional[dist.ProcessGroup]
+                       ) -> "tuple[torch.Tensor, torch.Tensor]":
+    """impl="torch": the shard's logits materialized, and autograd for the backward."""
+    logits = materialized_logits(_SumGradientOverRanks.apply(e, group), c, bias, softcap)
+    local_lse = torch.logsumexp(logits, dim=-1)
+    in_shard = local_targets >= 0
+    gathered = logits.gather(1, local_targets.clamp(min=0)[:, None])[:, 0]
+    lse, target_logit = _CombineShards.apply(local_lse, torch.where(in_shard, gathered, 0.0),
+                                             group)
+    token_loss = torch.where(lse == float("inf"), float("nan"), lse - target_logit)
+    return torch.where(targets >= 0, token_loss, 0.0), lse
+
+
+class _SumGradientOverRanks(torch.autograd.Function):
+    """The identity, whose gradient is summed over the ranks (in float32): every rank's shard
+    of the logits depends on the same input."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # A copy: the incoming gradient may be another node's too, never reduce it in place.
+        total = grad.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        return total.to(grad.dtype), None
+
+
+class _CombineShards(torch.autograd.Function):
+    """(log-sum-exp, target logit) of the whole vocabulary from every rank's shard's."""
+
+    @staticmethod
+    def forward(ctx, local_lse: torch.Tensor, local_target_logit: torch.Tensor,
+                group: Optional[dist.ProcessGroup]):
+        lse = _global_lse(local_lse, group)
+        target_logit = local_target_logit.clone()
+        dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
+        ctx.save_for_backward(local_lse, lse)
+        return lse, target_logit
+
+    @staticmethod
+    def backward(ctx, grad_lse: torch.Tensor, grad_target_logit: torch.Tensor):
+        local_lse, lse = ctx.saved_tensors
+        # d lse / d local_lse = exp(local_lse - lse), the shard's share of the softmax mass.
+        return grad_lse * torch.exp(local_lse - lse), grad_target_logit, None
+
+
+def _global_lse(local_lse: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """The log-sum-exp over the ranks of their float32 (N,) ``local_lse``: an all-reduce MAX,
+    then a SUM of exponentials shifted by it (by 0 where it is infinite, as the kernels do)."""
+    maximum = local_lse.clone()
+    dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+    shift = torch.where(maximum.abs() == float("inf"), 0.0, maximum)
+    total = torch.exp(local_lse - shift)
+    # NaN propagates through this SUM whatever the MAX made of it.
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return shift + torch.log(total)

@@ -1,0 +1,409 @@
+"""Tensor-parallel loss benchmark: cce's vocabulary-parallel loss against PyTorch's loss_parallel.
+
+    torchrun --nproc-per-node K -m experiments.tp_bench [--quick] [--shapes ...] [--tokens ...]
+        [--methods ...] [--backend auto|nccl|gloo] [--warmup W] [--repeats R] [--out DIR]
+
+The tensor-parallel size is the world size K (``python -m experiments.tp_bench`` without
+torchrun: K = 1). Each rank holds its rows of the classifier (``torch.chunk``'s split, the one
+DTensor's ``Shard`` uses) and the same tokens: e and targets, bfloat16, from
+:func:`experiments.synthetic.lm_like_inputs` (a language model's softmax sparsity). Shapes:
+Gemma 2 2B (D 2304, V 256000) and Llama 3 8B (D 4096, V 128256), N = 8192 to 65536 tokens.
+Both methods compute the mean loss, e's full gradient (summed over the ranks) and the gradient of
+the rank's rows of c:
+
+- ``cce``: ``cce.linear_cross_entropy(e, c_local, targets, vocab_parallel=...)``, default
+  filter; dE is summed over the ranks in float32.
+- ``loss_parallel``: the local logits ``e @ c_local.T`` as a DTensor sharded on the vocabulary
+  (``Shard(1)``), upcast to float32 (as Hugging Face does), ``F.cross_entropy`` under
+  ``torch.distributed.tensor.parallel.loss_parallel()``; dE all-reduced in bfloat16 (tensor
+  parallelism's Partial -> Replicate).
+
+Per row: the slowest rank's median time of loss + gradients (CUDA events, after a barrier, W
+warm-up calls, median of R), each rank's peak memory above its inputs, and how far the two
+methods' results are apart. A row whose estimated memory exceeds what a rank has free is
+skipped (every rank decides alike). Before the timings, the agreement check: every rank's
+vocabulary-parallel results (loss, lse, dE, its rows of dC) against the unsharded call on the
+full classifier, bfloat16 with the default filter and float32 without.
+
+Devices: rank r uses GPU ``LOCAL_RANK % device_count``, so with one GPU every rank shares GPU 0
+(use ``--backend gloo``, the default then: NCCL refuses two ranks on one GPU; the timings then
+share the GPU and say nothing about TP speed). Without a GPU it runs on the CPU over gloo
+(``--quick``: tiny sizes, the kernels in Triton's interpreter). Rank 0 writes
+``tp_bench_tp<K>.json`` and ``.md`` (device, versions, date) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import cce
+from experiments.harness import add_sections, markdown_table, write_results
+from experiments.synthetic import lm_like_inputs
+
+MIB = 2**20
+DTYPE = torch.bfloat16
+TOKENS = (8192, 16384, 32768, 65536)
+QUICK_TOKENS = (48, 96)
+METHODS = ("cce", "loss_parallel")
+# The agreement check runs on the first tokens of the smallest timed N, this many at most.
+CHECK_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    description: str
+    vocab_size: int
+    dim: int
+
+
+SHAPES = {shape.name: shape for shape in (
+    Shape("gemma2_2b", "Gemma 2 2B", 256000, 2304),
+    Shape("llama3_8b", "Llama 3 8B", 128256, 4096),
+    # Uneven shards for 2, 3 or 4 ranks; CPU smoke test.
+    Shape("quick", "tiny (CPU smoke test)", 1001, 64),
+)}
+FULL_SHAPES = ("gemma2_2b", "llama3_8b")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    ranks_per_gpu: int
+    backend: str
+
+    def shard(self, vocab_size: int) -> tuple[int, int]:
+        """This rank's rows [start, stop) of the classifier: torch.chunk's split."""
+        sizes = [len(part) for part in torch.arange(vocab_size).chunk(self.world_size)]
+        sizes += [0] * (self.world_size - len(sizes))
+        start = sum(sizes[:self.rank])
+        return start, start + sizes[self.rank]
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        # A tiny all-reduce on the rank's device: the same call for NCCL and gloo.
+        dist.all_reduce(torch.zeros(1, device=self.device))
+        self.synchronize()
+
+    def gather(self, value: float) -> list[float]:
+        """``value`` of every rank, in rank order."""
+        table = torch.zeros(self.world_size, dtype=torch.float64, device=self.device)
+        table[self.rank] = value
+        dist.all_reduce(table)
+        return table.tolist()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node K -m experiments.tp_bench",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"the tiny shape, N = {', '.join(map(str, QUICK_TOKENS))}, one "
+                             "warm-up and two timed calls (a CPU smoke test)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), metavar="SHAPE",
+                        help=f"default: {' '.join(FULL_SHAPES)} ({' '.join(SHAPES)} exist)")
+    parser.add_argument("--tokens", nargs="+", type=int, metavar="N",
+                        help=f"default: {' '.join(map(str, TOKENS))}")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--backend", default="auto",
+                        help="torch.distributed backend; auto: nccl when every rank has a GPU "
+                             "of its own, else gloo")
+    parser.add_argument("--warmup", type=int, help="warm-up calls (default 3, quick 1)")
+    parser.add_argument("--repeats", type=int, help="timed calls (default 10, quick 2)")
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip the agreement check against the unsharded call")
+    parser.add_argument("--out", type=Path, default=Path("scratch/tp_bench"),
+                        help="folder for tp_bench_tp<K>.json and .md (default: scratch/tp_bench)")
+    args = parser.parse_args(argv)
+    shapes = args.shapes or (["quick"] if args.quick else list(FULL_SHAPES))
+    tokens = sorted(args.tokens or (QUICK_TOKENS if args.quick else TOKENS))
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 10)
+    if min(tokens) < 1 or warmup < 0 or repeats < 1:
+        parser.error("--tokens must be >= 1, --warmup >= 0 and --repeats >= 1")
+
+    ranks = _init_ranks(args.backend)
+    try:
+        rows, checks = [], []
+        for name in shapes:
+            shape = SHAPES[name]
+            e, c_local, targets = _shape_inputs(ranks, shape, max(tokens))
+            if not args.no_check:
+                checks += _agreement(ranks, shape, e, c_local, targets,
+                                     min(CHECK_TOKENS, tokens[0]))
+            for num_tokens in tokens:
+                rows += _measure(ranks, shape, e[:num_tokens], c_local, targets[:num_tokens],
+                                 args.methods, warmup, repeats)
+                if ranks.rank == 0:  # after every row: a run cut short still leaves its rows
+                    _write(ranks, rows, checks, args.out, warmup, repeats)
+            del e, c_local, targets
+        if ranks.rank == 0:
+            print(f"wrote {args.out}/tp_bench_tp{ranks.world_size}.json and .md", file=sys.stderr)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _init_ranks(backend: str) -> Ranks:
+    """Join the process group that torchrun describes (RANK, WORLD_SIZE, ...), or a group of
+    one process without torchrun; pick this rank's device."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        device = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(device)
+        ranks_per_gpu = -(-local_world_size // gpus)
+    else:
+        device, ranks_per_gpu = torch.device("cpu"), 0
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" and ranks_per_gpu == 1 else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    else:
+        store = tempfile.NamedTemporaryFile(prefix="tp_bench_", delete=False).name
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    return Ranks(dist.get_rank(), dist.get_world_size(), device, ranks_per_gpu, backend)
+
+
+def _shape_inputs(ranks: Ranks, shape: Shape, num_tokens: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """e and targets (the same on every rank: rank 0's, broadcast) and this rank's rows of c."""
+    e, c, targets = lm_like_inputs(num_tokens, shape.vocab_size, shape.dim, seed=0, dtype=DTYPE,
+                                   device=ranks.device, requires_grad=False)
+    dist.broadcast(e, src=0)
+    dist.broadcast(targets, src=0)
+    start, stop = ranks.shard(shape.vocab_size)
+    c_local = c[start:stop].clone()  # a copy: the full c is freed
+    return e.requires_grad_(), c_local.requires_grad_(), targets
+
+
+def _cce_step(ranks: Ranks, vocab_size: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    shard = cce.VocabParallelOptions(*ranks.shard(vocab_size))
+
+    def step(e: torch.Tensor, c_local: torch.Tensor, targets: torch.Tensor):
+        loss = cce.linear_cross_entropy(e, c_local, targets, vocab_parallel=shard)
+        return (loss, *torch.autograd.grad(loss, (e, c_local)))
+
+    return step
+
+
+def _loss_parallel_step(ranks: Ranks, vocab_size: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = _mesh(ranks.device.type, ranks.world_size)
+
+    def step(e: torch.Tensor, c_local: torch.Tensor, targets: torch.Tensor):
+        local_logits = e @ c_local.T
+        logits = DTensor.from_local(local_logits, mesh, [Shard(1)], run_check=False,
+                                    shape=(e.shape[0], vocab_size), stride=(vocab_size, 1))
+        with loss_parallel():
+            loss = F.cross_entropy(logits.float(), targets)
+            grad_e, grad_c = torch.autograd.grad(loss, (e, c_local))
+        dist.all_reduce(grad_e)  # every rank's logits depend on e
+        return loss.to_local(), grad_e, grad_c
+
+    return step
+
+
+@functools.cache
+def _mesh(device_type: str, world_size: int) -> "torch.distributed.device_mesh.DeviceMesh":
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size,))
+
+
+def _estimated_peak_bytes(method: str, num_tokens: int, local_vocab: int, dim: int) -> int:
+    """A generous estimate of a step's memory above its inputs (to skip what cannot fit)."""
+    outputs = 2 * num_tokens * dim + 2 * local_vocab * dim
+    if method == "cce":
+        return outputs + 4 * num_tokens * dim + 256 * MIB  # + dE in float32, tables, buffers
+    # Logits in bfloat16 and float32, the saved log-softmax, its float32 and bfloat16 gradient.
+    return outputs + 16 * num_tokens * local_vocab
+
+
+def _memory_budget(ranks: Ranks) -> float:
+    """Bytes a step may use on every rank: the least free memory of any rank's GPU, shared by
+    the ranks on it, with a margin."""
+    if ranks.device.type != "cuda":
+        return float("inf")
+    free = torch.cuda.mem_get_info(ranks.device)[0] * 0.9 / ranks.ranks_per_gpu
+    return min(ranks.gather(free))
+
+
+def _measure(ranks: Ranks, shape: Shape, e: torch.Tensor, c_local: torch.Tensor,
+             targets: torch.Tensor, methods: Sequence[str], warmup: int,
+             repeats: int) -> list[dict[str, Any]]:
+    """One row per method at this shape and number of tokens."""
+    num_tokens = e.shape[0]
+    steps = {"cce": _cce_step, "loss_parallel": _loss_parallel_step}
+    rows, results = [], {}
+    budget = _memory_budget(ranks)
+    for method in methods:
+        row: dict[str, Any] = {"shape": shape.description, "tokens": num_tokens,
+                               "method": method}
+        rows.append(row)
+        estimate = _estimated_peak_bytes(method, num_tokens, c_local.shape[0], shape.dim)
+        if estimate > budget:
+            row["skipped"] = f"needs about {estimate / 2**30:.1f} GiB per rank"
+            continue
+        step = steps[method](ranks, shape.vocab_size)
+        try:
+            results[method] = [tensor.detach() for tensor in step(e, c_local, targets)]
+            times = [_timed_ms(ranks, lambda: step(e, c_local, targets))
+                     for _ in range(warmup + repeats)][warmup:]
+            row["ms"] = max(ranks.gather(statistics.median(times)))
+            peaks = ranks.gather(_peak_mib(ranks, lambda: step(e, c_local, targets)) or 0.0)
+            if ranks.device.type == "cuda":
+                row["peak_mib_max"] = max(peaks)
+                row["peak_mib_per_rank"] = [round(peak) for peak in peaks]
+        except torch.cuda.OutOfMemoryError as error:
+            row["error"] = f"OutOfMemoryError: {str(error).splitlines()[0]}"
+            results.pop(method, None)
+        if ranks.rank == 0:
+            print(f"{shape.name} N={num_tokens} {method}: {row}", file=sys.stderr)
+    if len(results) == 2:
+        cce_row, other_row = (rows[methods.index(method)] for method in METHODS)
+        (loss, grad_e, grad_c), (other_loss, other_e, other_c) = (results[method]
+                                                                  for method in METHODS)
+        cce_row["speedup"] = other_row["ms"] / cce_row["ms"]
+        cce_row["diff_loss"] = _relative_difference(loss, other_loss)
+        cce_row["diff_de"] = _relative_difference(grad_e, other_e)
+        cce_row["diff_dc"] = max(ranks.gather(_relative_difference(grad_c, other_c)))
+    return rows
+
+
+def _timed_ms(ranks: Ranks, fn: Callable[[], Any]) -> float:
+    ranks.barrier()
+    if ranks.device.type != "cuda":
+        start_s = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start_s) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _peak_mib(ranks: Ranks, fn: Callable[[], Any]) -> Optional[float]:
+    """Peak memory allocated by this process during ``fn``, above what was in use before."""
+    if ranks.device.type != "cuda":
+        return None
+    ranks.barrier()
+    torch.cuda.reset_peak_memory_stats(ranks.device)
+    before = torch.cuda.memory_allocated(ranks.device)
+    fn()
+    ranks.synchronize()
+    return (torch.cuda.max_memory_allocated(ranks.device) - before) / MIB
+
+
+def _agreement(ranks: Ranks, shape: Shape, e: torch.Tensor, c_local: torch.Tensor,
+               targets: torch.Tensor, num_tokens: int) -> list[dict[str, Any]]:
+    """The vocabulary-parallel call against the unsharded one on the full classifier (gathered
+    from the ranks' rows): the largest relative difference over the ranks of loss, lse, dE and
+    the rank's rows of dC."""
+    full_c = _gather_rows(ranks, c_local.detach(), shape.vocab_size)
+    start, stop = ranks.shard(shape.vocab_size)
+    rows = []
+    for dtype, filter_eps in ((DTYPE, "auto"), (torch.float32, None)):
+        inputs = (e[:num_tokens].detach().to(dtype), full_c.to(dtype), targets[:num_tokens])
+        sharded = _loss_lse_grads(*inputs, filter_eps, start, stop)
+        unsharded = _loss_lse_grads(*inputs, filter_eps)
+        unsharded[-1] = unsharded[-1][start:stop]
+        row = {"shape": shape.description, "tokens": num_tokens,
+               "dtype": str(dtype).removeprefix("torch."), "filter_eps": filter_eps}
+        for name, value, expected in zip(("loss", "lse", "de", "dc"), sharded, unsharded):
+            row[name] = max(ranks.gather(_relative_difference(value, expected)))
+        rows.append(row)
+        if ranks.rank == 0:
+            print(f"agreement with the unsharded call: {row}", file=sys.stderr)
+    return rows
+
+
+def _loss_lse_grads(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, filter_eps,
+                    start: Optional[int] = None, stop: Optional[int] = None
+                    ) -> list[torch.Tensor]:
+    """Loss, lse, dE and dC of the mean loss; vocabulary-parallel over c's rows [start, stop)
+    of the full c when they are given."""
+    e = e.detach().requires_grad_()
+    vocab_parallel = None
+    if start is not None:
+        c, vocab_parallel = c[start:stop], cce.VocabParallelOptions(start, stop)
+    c = c.detach().requires_grad_()
+    loss, lse = cce.linear_cross_entropy(e, c, targets, filter_eps=filter_eps, return_lse=True,
+                                         vocab_parallel=vocab_parallel)
+    return [loss.detach(), lse.detach(), *torch.autograd.grad(loss, (e, c))]
+
+
+def _gather_rows(ranks: Ranks, rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The full (V, D) tensor of every rank's rows (a SUM of zero-padded copies: the same call
+    for NCCL and gloo, CPU and CUDA tensors)."""
+    start, stop = ranks.shard(vocab_size)
+    full = torch.zeros((vocab_size, rows.shape[1]), dtype=torch.float32, device=rows.device)
+    full[start:stop] = rows
+    dist.all_reduce(full)
+    return full.to(rows.dtype)
+
+
+def _relative_difference(value: torch.Tensor, expected: torch.Tensor) -> float:
+    value, expected = value.detach().double(), expected.detach().double()
+    return float((value - expected).norm() / expected.norm())
+
+
+def _write(ranks: Ranks, rows: list[dict[str, Any]], checks: list[dict[str, Any]],
+           out_dir: Path, warmup: int, repeats: int) -> None:
+    on_gpu = ranks.device.type == "cuda"
+    meta = {
+        "tp_size": ranks.world_size,
+        "backend": ranks.backend,
+        "ranks_per_gpu": ranks.ranks_per_gpu if on_gpu else None,
+        "gpus": torch.cuda.device_count() if on_gpu else 0,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if on_gpu else None,
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "times": f"ms of loss + gradients of e and of the rank's rows of c: the slowest rank's "
+                 f"median of {repeats} calls after {warmup} warm-up calls"
+                 + (" (CUDA events)" if on_gpu else " (CPU smoke test)"),
+        "memory": "peak MiB allocated by a rank during one call above its inputs (dE and dC "
+                  "included); GPU only",
+        "speedup": "loss_parallel's time / cce's",
+        "diff_*": "||cce - loss_parallel|| / ||loss_parallel|| of the loss, dE and (largest "
+                  "over the ranks) the rank's dC",
+    }
+    if on_gpu and ranks.ranks_per_gpu > 1:
+        meta["shared_gpu"] = (f"{ranks.ranks_per_gpu} ranks share each GPU: the timings say "
+                              "nothing about tensor-parallel speed")
+    written = write_results(f"tp_bench_tp{ranks.world_size}", rows, meta, out_dir)
+    if checks:
+        add_sections(written, {"agreement": checks}, [
+            "", "## Agreement with the unsharded call", "",
+            "Largest relative difference over the ranks between the vocabulary-parallel call "
+            "and the unsharded call on the full classifier (dc: the rank's rows).", "",
+            *markdown_table(checks)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The tensor-parallel benchmark (experiments.tp_bench), launched as documented: torchrun with two
+processes over gloo, at its quick size (on the CPU, or on the GPUs there are). The launch has a
+time limit, so a hang fails.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 600
+
+
+def test_two_ranks_at_quick_size_write_agreeing_results(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "experiments.tp_bench", "--quick",
+               "--backend", "gloo", "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # A session of its own: on a timeout, torchrun's workers are killed with it.
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail(f"tp_bench was not done after {TIMEOUT_S} s: killed")
+    assert process.returncode == 0, output[-4000:]
+
+    results = json.loads((tmp_path / "tp_bench_tp2.json").read_text())
+    assert results["meta"]["tp_size"] == 2 and results["meta"]["backend"] == "gloo"
+    assert results["environment"]["date"]
+    rows = results["rows"]
+    assert [(row["tokens"], row["method"]) for row in rows] == [
+        (48, "cce"), (48, "loss_parallel"), (96, "cce"), (96, "loss_parallel")]
+    for row in rows:
+        assert row["ms"] > 0, row
+    for row in rows[::2]:
+        # loss_parallel rounds the logits to bfloat16 first, cce does not.
+        assert row["diff_loss"] < 1e-2 and row["diff_de"] < 3e-2 and row["diff_dc"] < 3e-2, row
+    agreement = results["agreement"]
+    assert [check["dtype"] for check in agreement] == ["bfloat16", "float32"]
+    for check in agreement:
+        limit = 1e-5 if check["dtype"] == "float32" else 4e-3
+        for name in ("loss", "lse", "de", "dc"):
+            assert math.isfinite(check[name]) and check[name] <= limit, (name, check)
+    assert "## Agreement with the unsharded call" in (tmp_path / "tp_bench_tp2.md").read_text()
