@@ -156,7 +156,9 @@ def _liger_loss() -> Loss:
 
 
 METHODS: dict[str, Method] = {method.name: method for method in (
-    *(Method(v.name, _cce_variant_loss(v.impl, v.options)) for v in variants()),
+    # cce_torch (the CPU default) computes float32 logits chunk by chunk: not a GPU method.
+    *(Method(v.name, _cce_variant_loss(v.impl, v.options)) for v in variants()
+      if v.impl != "cce_torch" or not ON_GPU),
     Method("cce (label_smoothing=0.1)", _cce_variant_loss("cce", {"label_smoothing": 0.1}),
            label_smoothing=0.1),
     Method("cut_cross_entropy", _apple_cce_loss, needs_cuda=True),

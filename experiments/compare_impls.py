@@ -41,12 +41,15 @@ class Variant:
 
 
 def variants() -> list[Variant]:
-    """Each implementation with its defaults, then CCE without each backward optimization, and
-    with the paper's filter (no correction of the mass it drops)."""
+    """Each implementation with its defaults, then CCE without each backward optimization, with
+    the paper's filter (no correction of the mass it drops), with each live tile recomputed
+    once (``keep_tiles``) and with a deterministic forward."""
     return [Variant(impl, impl) for impl in cce.IMPLEMENTATIONS] + [
         Variant("cce (filter_eps=None)", "cce", {"filter_eps": None}),
         Variant("cce (vocab_sorting=False)", "cce", {"vocab_sorting": False}),
         Variant("cce (filter_correction=False)", "cce", {"filter_correction": False}),
+        Variant("cce (keep_tiles=True)", "cce", {"keep_tiles": True}),
+        Variant("cce (deterministic=True)", "cce", {"deterministic": True}),
     ]
 
 
