@@ -193,12 +193,14 @@ def time_fn(fn: Callable[..., Any], warmup: Optional[int] = None, repeats: Optio
     """Median time of one call of ``fn`` in milliseconds.
 
     On GPU: CUDA events, 5 warm-up calls and the median of 20 by default. On CPU:
-    ``time.perf_counter``, 1 warm-up call and 3 timed ones, since CPU runs are only smoke tests.
+    ``time.perf_counter`` and one call, no warm-up: CPU runs are smoke tests, in which Triton's
+    interpreter takes seconds per call, and :func:`measure_loss`'s first, untimed call has
+    compiled what needs compiling.
     ``setup``, when given, runs untimed before every call and its result is passed to ``fn``
     (the forward pass, to time the backward pass alone).
     """
-    warmup = (GPU_WARMUP if ON_GPU else 1) if warmup is None else warmup
-    repeats = (GPU_REPEATS if ON_GPU else 3) if repeats is None else repeats
+    warmup = (GPU_WARMUP if ON_GPU else 0) if warmup is None else warmup
+    repeats = (GPU_REPEATS if ON_GPU else 1) if repeats is None else repeats
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
 
