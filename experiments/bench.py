@@ -565,10 +565,8 @@ def _plot(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
     for i, shape in enumerate(shapes):
         axes.hlines(shape_info[shape]["gemm_ms"], i - 0.42, i + 0.42, colors="black",
                     linestyles="--", label="one GEMM e @ c.T" if i == 0 else None)
-    # Which inputs, since a real-data shape falls back to synthetic inputs without the model.
-    labels = [textwrap.fill(shape_info[s]["description"], 20) + "\n"
-              + shape_info[s]["data"].split(":")[0].split(" (")[0] for s in shapes]
-    axes.set_xticks(range(len(shapes)), labels, fontsize=8)
+    axes.set_xticks(range(len(shapes)), [_shape_label(shape_info[s]) for s in shapes],
+                    fontsize=8)
     axes.set_yscale("log")
     axes.set_ylabel("forward + backward, ms (log scale)")
     axes.set_title(f"Linear cross-entropy, bfloat16 ({device_label()})")
@@ -576,6 +574,14 @@ def _plot(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _shape_label(info: dict[str, Any]) -> str:
+    """A shape's x label: its description, sizes, and inputs (a real-data shape falls back to
+    synthetic inputs without the model)."""
+    data = info["data"].split(":")[0].split(" (")[0]
+    return (f"{textwrap.fill(info['description'], 20)}\n"
+            f"N={info['n_tokens']}, V={info['vocab_size']}, D={info['dim']}\n{data}")
 
 
 def add_repeats_argument(parser: argparse.ArgumentParser) -> None:

@@ -243,7 +243,7 @@ def table_figure(rows: list[dict[str, Any]], block_info: dict[str, dict[str, Any
     if not ON_GPU:
         notes.append("memory: GPU only")
     title = f"{name}: linear cross-entropy, bfloat16 ({device_label()})"
-    figure.suptitle("\n".join([title, "; ".join(notes)] if notes else [title]), fontsize=10)
+    figure.suptitle("\n".join([title, *notes]), fontsize=10)
     figure.tight_layout()
     return figure
 
