@@ -1,29 +1,45 @@
-"""``python -m experiments [--quick] [--out results] [--only NAME ...]``: run the benchmarks.
+"""``python -m experiments [--quick] [--out DIR] [--data PATH] [--only NAME ...] [--repeats N]``:
+run the benchmarks and paper reproductions, from the repository root.
 
-Exits 1 when any experiment recorded a failing row, so that a broken implementation cannot
-pass for a finished benchmark.
+Full runs (on a GPU) write to results/; --quick runs, the default without a GPU, to
+scratch/quick/, which git ignores. Ends with one line per experiment (seconds, status, files
+written); the reports are the Markdown files. Exits 1 when any experiment failed or recorded a
+failing row, so that a broken implementation cannot pass for a finished benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import inspect
 import sys
-import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+# Importing the package turns Triton's interpreter on where there is no CUDA device, before
+# anything imports triton.
 from experiments import EXPERIMENTS
+from experiments.alpaca_data import add_data_argument
+from experiments.harness import (WrittenResults, add_run_arguments, finish, log, progress,
+                                 run_experiment, run_mode, summary)
+
+
+def run_registered(name: str, quick: bool, out_dir: Path, options: dict[str, Any]
+                   ) -> WrittenResults:
+    """Import experiment ``name`` and run it with the ``options`` (not None) that its ``run``
+    takes: only the timing experiments take repeats (the same value lets the tables reuse the
+    benchmark's rows), only those with real data a data path."""
+    run = importlib.import_module(EXPERIMENTS[name]).run
+    accepted = inspect.signature(run).parameters
+    return run(quick=quick, out_dir=out_dir, **{key: value for key, value in options.items()
+                                                if value is not None and key in accepted})
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__)
-    parser.add_argument("--quick", action="store_true",
-                        help="small sizes that run in minutes on a CPU (the default when no "
-                             "CUDA device is available)")
-    parser.add_argument("--out", type=Path, default=Path("results"),
-                        help="folder for <name>.json and <name>.md (default: results)")
+    add_run_arguments(parser, "<name>.json, <name>.md and the figures")
+    add_data_argument(parser)
     parser.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), metavar="NAME",
                         help="run these experiments, in this order, in one process (so that "
                              f"they share measurements and loaded models): {', '.join(EXPERIMENTS)}")
@@ -31,34 +47,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="timed calls per median in the benchmark and tables (default: "
                              "theirs, 20 on a GPU; at least 10 there)")
     args = parser.parse_args(argv)
+    quick, out_dir = run_mode(args)
+    options = {"repeats": args.repeats, "data_path": args.data}
 
-    # Imported after argument parsing so that --help answers without loading torch.
-    from experiments.harness import ON_GPU, progress
-
-    quick = args.quick or not ON_GPU
-    if not args.quick and quick:
-        print("No CUDA device: running in --quick mode (CPU timings, Triton interpreter).",
-              file=sys.stderr)
-
-    names = args.only or list(EXPERIMENTS)
-    reports, errors = [], []
-    for name in progress(names, "experiments"):
-        start_s = time.perf_counter()
-        run = importlib.import_module(EXPERIMENTS[name]).run
-        # Only the timing experiments take repeats; the same value lets tables reuse bench rows.
-        options = ({"repeats": args.repeats}
-                   if args.repeats and "repeats" in inspect.signature(run).parameters else {})
-        written = run(quick=quick, out_dir=args.out, **options)
-        print(f"{name}: {time.perf_counter() - start_s:.0f} s, wrote {written.json_path} and "
-              f"{written.markdown_path}", file=sys.stderr)
-        reports.append(written.markdown)
-        errors += [f"{name}: {error}" for error in written.errors]
-
-    # Printed after the loop so that the tables do not interleave with the progress bar.
-    print("\n".join(reports))
-    for error in errors:
-        print(f"FAILED {error}", file=sys.stderr)
-    return 1 if errors else 0
+    outcomes, errors = [], []
+    for name in progress(args.only or list(EXPERIMENTS), "experiments"):
+        outcome, failures = run_experiment(name, out_dir, functools.partial(
+            run_registered, name, quick, out_dir, options))
+        outcomes.append(outcome)
+        errors += failures
+        log(summary([outcome]))  # as each finishes: the only progress where bars are off
+    return finish(outcomes, errors, out_dir)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """The Alpaca instruction data: loading, the Alpaca prompt template, tokenization with labels.
 
-The data is not part of the repository: it lives next to it, in
-``../shared/data/alpaca_5000.json`` (5,000 examples of Stanford Alpaca, CC BY-NC 4.0; see that
-folder's README.md). Scripts take a ``--data`` path to read it from elsewhere.
+The data ships with the repository: ``data/alpaca_5000.json``, 5,000 examples of Stanford
+Alpaca (CC BY-NC 4.0; provenance in ``data/README.md``). Scripts take ``--data PATH`` to read
+another file in the same format.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ from typing import Any
 import torch
 
 IGNORE_INDEX = -100
-DEFAULT_DATA_PATH = Path(__file__).resolve().parents[2] / "shared/data/alpaca_5000.json"
+# Found from this file, not from the working directory: the scripts run from anywhere.
+DEFAULT_DATA_PATH = Path(__file__).resolve().parents[1] / "data" / "alpaca_5000.json"
 FIELDS = ("instruction", "input", "output")
 
 # The two templates of Stanford Alpaca (train.py's PROMPT_DICT), as in the data's README.
@@ -46,6 +48,20 @@ def load_alpaca(path: Path | None = None, limit: int | None = None) -> list[dict
         if missing:
             raise ValueError(f"{path}: record {index} lacks the string field(s) {missing}")
     return records[:limit]
+
+
+def add_data_argument(parser: argparse.ArgumentParser) -> None:
+    """``--data PATH``: the Alpaca JSON file, checked to exist when the arguments are parsed
+    (default: :data:`DEFAULT_DATA_PATH`)."""
+    def existing_file(text: str) -> Path:
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"no such file: {text}")
+        return path
+
+    parser.add_argument("--data", type=existing_file, metavar="PATH",
+                        help="Alpaca JSON file: a list of records with instruction, input and "
+                             "output (default: data/alpaca_5000.json in the repository)")
 
 
 def format_prompt(record: dict) -> tuple[str, str]:

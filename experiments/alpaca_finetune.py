@@ -64,8 +64,10 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 from cce.integrations.transformers import patch
-from experiments.alpaca_data import IGNORE_INDEX, load_alpaca, tokenize_examples
-from experiments.harness import DEVICE, ON_GPU, WrittenResults, progress, write_results
+from experiments.alpaca_data import (IGNORE_INDEX, add_data_argument, load_alpaca,
+                                     tokenize_examples)
+from experiments.harness import (DEVICE, ON_GPU, WrittenResults, add_run_arguments, device_name,
+                                 finish, log, progress, run_experiment, run_mode, write_results)
 from experiments.real_model import load_model
 
 if TYPE_CHECKING:
@@ -134,8 +136,8 @@ class ByteTokenizer:
 
 def tiny_gemma3() -> Gemma3ForCausalLM:
     """A 2-layer Gemma 3 for :class:`ByteTokenizer`'s ids, the same weights on every call."""
-    # Imported here, as everywhere in experiments: a module-level import of transformers
-    # would import triton before cce turns its interpreter on (CPU-only machines).
+    # Imported here, as everywhere in experiments: transformers is an optional dependency,
+    # needed only by what uses it.
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     tokenizer = ByteTokenizer()
@@ -253,7 +255,7 @@ def run(quick: bool, out_dir: Path, *, steps: Optional[int] = None, seeds: Optio
 
     Quick mode defaults to the tiny model, 3 steps and 2 seeds; otherwise the real model,
     150 steps and 5 seeds. ``model`` is "gemma3-270m" or "tiny-gemma3"; ``data_path`` the
-    Alpaca JSON file (default: ``../shared/data/alpaca_5000.json``).
+    Alpaca JSON file (default: the repository's ``data/alpaca_5000.json``).
     """
     steps = (QUICK_STEPS if quick else FULL_STEPS) if steps is None else steps
     seeds = (QUICK_SEEDS if quick else FULL_SEEDS) if seeds is None else seeds
@@ -266,7 +268,7 @@ def run(quick: bool, out_dir: Path, *, steps: Optional[int] = None, seeds: Optio
     examples = trainable_examples(tokenizer, load_alpaca(data_path), setup.max_length)
     results: dict[str, list[RunResult]] = {name: [] for name in impls}
     errors: dict[str, str] = {}
-    for seed in progress(range(seeds), "seeds"):
+    for seed in progress(range(seeds), "seeds", leave=False):
         batches = training_batches(examples, seed, steps, setup.batch_size,
                                    tokenizer.pad_token_id, setup.pad_multiple)
         for name in impls:
@@ -277,13 +279,13 @@ def run(quick: bool, out_dir: Path, *, steps: Optional[int] = None, seeds: Optio
                 result = train(initial_model, batches, name, seed, setup.learning_rate)
             except Exception as error:  # an OOM or a kernel error must not hide the others
                 errors[name] = f"seed {seed}: {type(error).__name__}: {error}"
-                print(f"{name}: FAILED at {errors[name]}", file=sys.stderr)
+                log(f"{name}: FAILED at {errors[name]}")
             else:
                 results[name].append(result)
-                print(f"{name}, seed {seed}: loss {result.losses[0]:.4f} -> "
-                      f"{result.losses[-1]:.4f}, median step "
-                      f"{statistics.median(result.step_ms):.1f} ms, "
-                      f"{time.perf_counter() - start_s:.1f} s", file=sys.stderr)
+                log(f"{name}, seed {seed}: loss {result.losses[0]:.4f} -> "
+                    f"{result.losses[-1]:.4f}, median step "
+                    f"{statistics.median(result.step_ms):.1f} ms, "
+                    f"{time.perf_counter() - start_s:.1f} s")
             # The patched forward refers to its model: only the collector frees the copy.
             gc.collect()
             if ON_GPU:
@@ -298,7 +300,8 @@ def run(quick: bool, out_dir: Path, *, steps: Optional[int] = None, seeds: Optio
     details = {"runs": [asdict(result) for runs in completed.values() for result in runs]}
     written = write_results(NAME, rows, meta, out_dir, details=details)
     plot(completed, out_dir / FIGURE,
-         title=f"{setup.description}: training loss on Alpaca, seeds 0..{seeds - 1}")
+         title=f"{setup.description}: training loss on Alpaca, seeds 0..{seeds - 1} "
+               f"({device_name()})")
     return written
 
 
@@ -429,11 +432,7 @@ def _band(axis: Any, steps: torch.Tensor, values: torch.Tensor, name: str, label
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.alpaca_finetune",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="CPU smoke test (the default without a GPU): the tiny model, "
-                             f"{QUICK_STEPS} steps, {QUICK_SEEDS} seeds")
-    parser.add_argument("--out", type=Path, default=Path("results"),
-                        help=f"folder for {NAME}.json, {NAME}.md and {FIGURE} (default: results)")
+    add_run_arguments(parser, f"{NAME}.json, {NAME}.md and {FIGURE}")
     parser.add_argument("--steps", type=int,
                         help=f"optimizer steps per run (default: {FULL_STEPS}; {QUICK_STEPS} with "
                              "--quick)")
@@ -443,20 +442,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--impls", nargs="+", choices=list(IMPLEMENTATIONS), metavar="IMPL",
                         help=f"implementations to train (default: all of "
                              f"{', '.join(IMPLEMENTATIONS)})")
-    parser.add_argument("--data", type=Path,
-                        help="alpaca_5000.json (default: ../shared/data/ next to the repository)")
+    add_data_argument(parser)
     parser.add_argument("--model", choices=list(SETUPS),
                         help=f"{REAL_MODEL} (default; its GGUF file from the PyPI package or "
                              f"$CCE_GEMMA3_GGUF) or {TINY_MODEL} (default with --quick)")
     args = parser.parse_args(argv)
-    quick = args.quick or not ON_GPU
-    if quick and not args.quick:
-        print("No CUDA device: running in --quick mode (a smoke test, Triton interpreter).",
-              file=sys.stderr)
-    written = run(quick, args.out, steps=args.steps, seeds=args.seeds, impls=args.impls,
-                  data_path=args.data, model=args.model)
-    print(written.markdown)
-    return 1 if written.errors else 0
+    quick, out_dir = run_mode(args)
+    outcome, errors = run_experiment(NAME, out_dir, lambda: run(
+        quick, out_dir, steps=args.steps, seeds=args.seeds, impls=args.impls,
+        data_path=args.data, model=args.model))
+    return finish([outcome], errors, out_dir)
 
 
 if __name__ == "__main__":

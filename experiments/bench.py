@@ -13,8 +13,8 @@ Methods: ``cce`` and its ablations, the ``torch``, ``torch_compile`` and ``chunk
 ``cut_cross_entropy`` and Liger's fused linear cross-entropy. Results: ``bench.json``,
 ``bench.md`` (with the targets, MET or MISSED) and ``bench.png``.
 
-``python -m experiments.bench [--quick] [--shapes ...] [--methods ...] [--out results]
-[--data alpaca.json] [--repeats N]``; also ``python -m experiments --only bench``. Each shape
+``python -m experiments.bench [--quick] [--shapes ...] [--methods ...] [--out DIR]
+[--data PATH] [--repeats N]``; also ``python -m experiments --only bench``. Each shape
 takes minutes on a GPU (torch.compile compiles for each): run a few at a time with ``--shapes``
 and separate ``--out`` folders when a command's time is limited.
 
@@ -41,10 +41,12 @@ import cce
 from cce.cce_function import forward_kernels, recompute_table
 from cce.loss import default_filter_eps
 from cce.vocab_order import target_positions
+from experiments.alpaca_data import add_data_argument
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
-                                 WrittenResults, add_sections, float64_reference, measure_loss,
-                                 progress, time_fn, write_results)
+                                 WrittenResults, add_run_arguments, add_sections, device_label,
+                                 finish, float64_reference, log, measure_loss, progress,
+                                 run_experiment, run_mode, time_fn, write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
 NAME = "bench"
@@ -239,10 +241,10 @@ def measure_shape(shape: Shape, methods: Sequence[str], how: Timing, *,
         e, c, targets, source = shape_inputs(shape, data_path)
         if info is None:
             info = _describe_inputs(e, c, targets, source, how, shape.ignored_removed)
-            print(f"{shape.name}: {info['data']}; "
-                  + ", ".join(f"{statistic}={value:.4g}"
-                              for statistic, value in info["sparsity"].items())
-                  + f", cce_table={info['cce_table']:.4g}", file=sys.stderr)
+            log(f"{shape.name}: {info['data']}; "
+                + ", ".join(f"{statistic}={value:.4g}"
+                            for statistic, value in info["sparsity"].items())
+                + f", cce_table={info['cce_table']:.4g}")
         reference = float64_reference(e, c, targets) if accuracy else None
         if reference is not None:
             info["reference_loss"] = float(reference[0])
@@ -365,7 +367,7 @@ def shape_inputs(shape: Shape, data_path: Optional[Path] = None
         batch = _alpaca_batch(shape.n_tokens, data_path)
     except ImportError as error:
         reason = f"real model not importable ({type(error).__name__}: {error})"
-        print(f"{shape.name}: {reason}; using synthetic LM-like inputs", file=sys.stderr)
+        log(f"{shape.name}: {reason}; using synthetic LM-like inputs")
         ignored_fraction = ALPACA_IGNORED_FRACTION if masked else 0.0
         return (*_synthetic_inputs(shape, ignored_fraction),
                 f"synthetic LM-like{_ignored_note(ignored_fraction)}: {reason}")
@@ -574,18 +576,23 @@ def _plot(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
     for i, shape in enumerate(shapes):
         axes.hlines(shape_info[shape]["gemm_ms"], i - 0.42, i + 0.42, colors="black",
                     linestyles="--", label="one GEMM e @ c.T" if i == 0 else None)
-    # Which inputs, since a real-data shape falls back to synthetic inputs without the model.
-    labels = [textwrap.fill(shape_info[s]["description"], 20) + "\n"
-              + shape_info[s]["data"].split(":")[0].split(" (")[0] for s in shapes]
-    axes.set_xticks(range(len(shapes)), labels, fontsize=8)
+    axes.set_xticks(range(len(shapes)), [_shape_label(shape_info[s]) for s in shapes],
+                    fontsize=8)
     axes.set_yscale("log")
     axes.set_ylabel("forward + backward, ms (log scale)")
-    device = torch.cuda.get_device_name(DEVICE) if ON_GPU else "CPU: NOT GPU TIMINGS"
-    axes.set_title(f"Linear cross-entropy, bfloat16 ({device})")
+    axes.set_title(f"Linear cross-entropy, bfloat16 ({device_label()})")
     axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _shape_label(info: dict[str, Any]) -> str:
+    """A shape's x label: its description, sizes, and inputs (a real-data shape falls back to
+    synthetic inputs without the model)."""
+    data = info["data"].split(":")[0].split(" (")[0]
+    return (f"{textwrap.fill(info['description'], 20)}\n"
+            f"N={info['n_tokens']}, V={info['vocab_size']}, D={info['dim']}\n{data}")
 
 
 def add_repeats_argument(parser: argparse.ArgumentParser) -> None:
@@ -607,24 +614,19 @@ def add_repeats_argument(parser: argparse.ArgumentParser) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.bench",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="the tiny shape only (the default when no CUDA device)")
+    add_run_arguments(parser, f"{NAME}.json, {NAME}.md and {NAME}.png")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), metavar="SHAPE",
                         help=f"shapes to run, of: {', '.join(SHAPES)}")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), metavar="METHOD",
                         help=f"methods to run, of: {', '.join(repr(m) for m in METHODS)}")
-    parser.add_argument("--out", type=Path, default=Path("results"))
-    parser.add_argument("--data", type=Path, help="Alpaca JSON file for the real-data shapes "
-                        "(default: experiments.real_model's)")
+    add_data_argument(parser)
     add_repeats_argument(parser)
     args = parser.parse_args(argv)
-    quick = args.quick or not ON_GPU
-    written = run(quick, args.out, shapes=args.shapes, methods=args.methods,
-                  data_path=args.data, repeats=args.repeats)
-    print(written.markdown)
-    for error in written.errors:
-        print(f"FAILED {error}", file=sys.stderr)
-    return 1 if written.errors else 0
+    quick, out_dir = run_mode(args)
+    outcome, errors = run_experiment(NAME, out_dir, lambda: run(
+        quick, out_dir, shapes=args.shapes, methods=args.methods, data_path=args.data,
+        repeats=args.repeats))
+    return finish([outcome], errors, out_dir)
 
 
 if __name__ == "__main__":

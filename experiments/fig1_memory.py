@@ -289,6 +289,9 @@ def _plot(models: dict[str, Breakdown], path: Path) -> None:
     axes[0].invert_yaxis()
     axes[0].legend(loc="upper center", bbox_to_anchor=(1.1, -0.08), ncol=3, fontsize=11,
                    frameon=False)
+    # No device ran anything: the figure names the GPUs that the model is of.
+    figure.suptitle(f"Training memory at the maximum batch size: an analytic model of {GPUS} "
+                    f"GPUs of {GPU_GIB} GB (computed, not measured)", fontsize=13)
     figure.subplots_adjust(wspace=0.18)  # room for the batch-size labels between the panels
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)

@@ -6,6 +6,7 @@ about GPU performance (the Triton kernels run in the interpreter), and the resul
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import json
@@ -15,6 +16,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, TypeVar
@@ -23,6 +25,11 @@ import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
+REPOSITORY = Path(__file__).resolve().parents[1]
+# Where results go without --out: the committed results of full GPU runs, or a folder that git
+# ignores for --quick runs, so that a smoke test never overwrites the GPU results.
+RESULTS_DIR = REPOSITORY / "results"
+QUICK_RESULTS_DIR = REPOSITORY / "scratch" / "quick"
 IGNORE_INDEX = -100
 MISSING = "—"
 GPU_WARMUP = 5  # time_fn's defaults on a GPU: warm-up calls, then timed calls (the median)
@@ -41,6 +48,128 @@ class WrittenResults:
     errors: list[str]
 
 
+def default_out_dir(quick: bool) -> Path:
+    """:data:`QUICK_RESULTS_DIR` for a quick run, :data:`RESULTS_DIR` for a full one."""
+    return QUICK_RESULTS_DIR if quick else RESULTS_DIR
+
+
+def device_name() -> str:
+    """The GPU's name, or "CPU": the device that computed the results, for figure titles."""
+    return torch.cuda.get_device_name(DEVICE) if ON_GPU else "CPU"
+
+
+def device_label() -> str:
+    """The device that timings come from, for figure titles: the GPU's name, or a warning that
+    CPU timings (of Triton's interpreter, as a rule) say nothing about a GPU."""
+    if ON_GPU:
+        return device_name()
+    interpreter = " (Triton interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else ""
+    return f"CPU{interpreter}: not GPU timings"
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, files: str) -> None:
+    """``--quick`` and ``--out DIR``, as every experiment's command line has them; ``files``
+    names what goes into the folder. :func:`run_mode` reads them."""
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, a smoke test that runs in minutes on a CPU (the "
+                             "default when no CUDA device is available)")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help=f"folder for {files} (default: {_shown(RESULTS_DIR)} for a full "
+                             f"run, {_shown(QUICK_RESULTS_DIR)} for --quick, which git ignores)")
+
+
+def run_mode(args: argparse.Namespace) -> tuple[bool, Path]:
+    """``(quick, out_dir)`` from :func:`add_run_arguments`' options: quick without a GPU."""
+    quick = args.quick or not ON_GPU
+    if quick and not args.quick:
+        log("No CUDA device: running in --quick mode (a smoke test; Triton's interpreter runs "
+            "the kernels).")
+    return quick, default_out_dir(quick) if args.out is None else args.out
+
+
+def log(message: str) -> None:
+    """Print ``message`` to stderr without breaking a progress bar that is being drawn."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with the optional "experiments" extra
+        print(message, file=sys.stderr)
+        return
+    tqdm.write(message, file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one experiment went, for the summary that ends a run."""
+
+    name: str
+    seconds: float
+    files: list[Path]
+    status: str  # "ok", or what failed
+
+
+def file_times(out_dir: Path) -> dict[Path, int]:
+    """The modification time (ns) of every file in ``out_dir``: before a run, for
+    :func:`files_written` after it."""
+    if not out_dir.is_dir():
+        return {}
+    return {path: path.stat().st_mtime_ns for path in out_dir.iterdir() if path.is_file()}
+
+
+def files_written(out_dir: Path, before: dict[Path, int]) -> list[Path]:
+    """The files of ``out_dir`` that are new or changed since :func:`file_times` gave
+    ``before``, by name."""
+    return sorted(path for path, time_ns in file_times(out_dir).items()
+                  if before.get(path) != time_ns)
+
+
+def run_experiment(name: str, out_dir: Path, run: Callable[[], WrittenResults]
+                   ) -> tuple[Outcome, list[str]]:
+    """Call ``run`` (which writes into ``out_dir``): how it went and what failed.
+
+    An exception is logged with its traceback and becomes a failed outcome, so that one
+    experiment's failure does not hide the results of those after it.
+    """
+    before, start_s = file_times(out_dir), time.perf_counter()
+    try:
+        written = run()
+    except Exception as error:
+        log(traceback.format_exc())
+        failure = f"{type(error).__name__}: {error}"
+        status, errors = f"FAILED ({failure})", [failure]
+    else:
+        errors = written.errors
+        status = "ok" if not errors else f"FAILED ({len(errors)} failing rows)"
+    outcome = Outcome(name, time.perf_counter() - start_s, files_written(out_dir, before),
+                      status)
+    return outcome, [f"{name}: {error}" for error in errors]
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    """One line per experiment: name, seconds, status and the names of the files it wrote."""
+    width = max(len(outcome.name) for outcome in outcomes)
+    return "\n".join(f"{outcome.name:<{width}}  {outcome.seconds:5.0f} s  {outcome.status}  "
+                     + (" ".join(path.name for path in outcome.files) or "no files")
+                     for outcome in outcomes)
+
+
+def finish(outcomes: list[Outcome], errors: list[str], out_dir: Path) -> int:
+    """End a command: the summary, where the files are, and the failures; the exit status, 1
+    when anything failed."""
+    print(summary(outcomes))
+    print(f"Files in {_shown(out_dir)}")
+    for error in errors:
+        print(f"FAILED {error}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is inside it, else as it is."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def environment() -> dict[str, Any]:
     """Where and with what the results were produced; deliberately no hostname."""
     return {
@@ -53,7 +182,7 @@ def environment() -> dict[str, Any]:
         # The version that tokenized the real data, if this process loaded it: the Gemma 3
         # tokenizer depends on it (experiments.real_model.check_tokenizer).
         "transformers": _imported_version("transformers"),
-        # cce turns the interpreter on by itself on a machine with no CUDA device.
+        # Importing experiments turns the interpreter on on a machine with no CUDA device.
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -64,12 +193,14 @@ def time_fn(fn: Callable[..., Any], warmup: Optional[int] = None, repeats: Optio
     """Median time of one call of ``fn`` in milliseconds.
 
     On GPU: CUDA events, 5 warm-up calls and the median of 20 by default. On CPU:
-    ``time.perf_counter``, 1 warm-up call and 3 timed ones, since CPU runs are only smoke tests.
+    ``time.perf_counter`` and one call, no warm-up: CPU runs are smoke tests, in which Triton's
+    interpreter takes seconds per call, and :func:`measure_loss`'s first, untimed call has
+    compiled what needs compiling.
     ``setup``, when given, runs untimed before every call and its result is passed to ``fn``
     (the forward pass, to time the backward pass alone).
     """
-    warmup = (GPU_WARMUP if ON_GPU else 1) if warmup is None else warmup
-    repeats = (GPU_REPEATS if ON_GPU else 3) if repeats is None else repeats
+    warmup = (GPU_WARMUP if ON_GPU else 0) if warmup is None else warmup
+    repeats = (GPU_REPEATS if ON_GPU else 1) if repeats is None else repeats
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
 

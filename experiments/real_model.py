@@ -189,4 +189,5 @@ def _token_bar(total: int) -> Any:
     except ImportError:
         return None
     # disable=None: no bar when stderr is not a terminal, as in experiments.harness.progress.
-    return tqdm(total=total, unit="tok", desc="Gemma 3 270M hidden states", disable=None)
+    return tqdm(total=total, unit="tok", desc="Gemma 3 270M hidden states", disable=None,
+                leave=False)

@@ -56,7 +56,7 @@ STATISTICS = ("entries_per_row", "tiles_nonempty", "tiles_nonempty_sorted", "mas
 # row's probability mass (the first 8192 tokens: 119.7, 42.9%, 25.3%, 96.2%). Tokenized by
 # transformers 5.23: older versions cut words into pieces and drop the BOS
 # (experiments.real_model.check_tokenizer), a flatter softmax (5.17: 203 entries per row, 91.9%
-# of the mass), which is what shared/DEVICE.md's 182, 44% and 23% presumably measured.
+# of the mass).
 REAL_DATA_STATISTICS: dict[str, float] = {
     "entries_per_row": 125.0,
     "tiles_nonempty": 0.44,

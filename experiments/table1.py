@@ -6,7 +6,7 @@ paper's own shape, Gemma 2 2B (N=8192, V=256000, D=2304), on calibrated syntheti
 (:mod:`experiments.synthetic`): the paper used Gemma 2 2B's embeddings, which we do not have.
 Rows, columns and what they measure: :mod:`experiments.tables`.
 
-``python -m experiments.table1 [--quick] [--out results] [--data alpaca.json] [--repeats N]``
+``python -m experiments.table1 [--quick] [--out DIR] [--data PATH] [--repeats N]``
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ at full N, says the same) and its scatter is part of the measured backward. Two 
 270M on Alpaca with its prompt tokens ignored (real data when the model is installed), and the
 Gemma 2 2B shape on synthetic inputs with the same fraction of tokens ignored, at random rows.
 
-``python -m experiments.table_a1 [--quick] [--out results] [--data alpaca.json] [--repeats N]``
+``python -m experiments.table_a1 [--quick] [--out DIR] [--data PATH] [--repeats N]``
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Mistral NeMo (V=131072, D=5120) and Phi 3.5 Mini (V=32064, D=3072), N=8192 token
 :func:`experiments.synthetic.lm_like_inputs` (the paper used each model's embeddings on Alpaca).
 Rows, columns and what they measure: :mod:`experiments.tables`.
 
-``python -m experiments.table_a2 [--quick] [--out results] [--repeats N]``
+``python -m experiments.table_a2 [--quick] [--out DIR] [--repeats N]``
 """
 
 from __future__ import annotations

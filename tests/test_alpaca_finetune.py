@@ -29,13 +29,16 @@ RECORDS = [
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, dict]:
-    """``run(quick=True)`` once: what it returned and the JSON file it wrote."""
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, dict, list[str]]:
+    """``run(quick=True)`` once: what it returned, the JSON file it wrote and the titles of the
+    figure it saved."""
     pytest.importorskip("matplotlib")
     from experiments import alpaca_finetune
+    from tests.helpers import saved_figure_titles
 
-    written = alpaca_finetune.run(quick=True, out_dir=tmp_path_factory.mktemp("results"))
-    return written, json.loads(written.json_path.read_text())
+    with saved_figure_titles() as titles:
+        written = alpaca_finetune.run(quick=True, out_dir=tmp_path_factory.mktemp("results"))
+    return written, json.loads(written.json_path.read_text()), titles
 
 
 def losses_by_run(data: dict) -> dict[tuple[str, int], list[float]]:
@@ -46,7 +49,7 @@ def losses_by_run(data: dict) -> dict[tuple[str, int], list[float]]:
 def test_quick_run_writes_every_implementation_and_seed(quick_run) -> None:
     from experiments.alpaca_finetune import FIGURE, IMPLEMENTATIONS, QUICK_SEEDS, QUICK_STEPS
 
-    written, data = quick_run
+    written, data, _ = quick_run
     assert written.errors == []
     assert [row["implementation"] for row in data["rows"]] == list(IMPLEMENTATIONS)
     assert sorted(losses_by_run(data)) == sorted(itertools.product(IMPLEMENTATIONS,
@@ -61,16 +64,20 @@ def test_quick_run_writes_every_implementation_and_seed(quick_run) -> None:
     assert (written.json_path.parent / FIGURE).read_bytes().startswith(b"\x89PNG")
 
 
-def test_quick_run_says_it_is_a_smoke_test(quick_run) -> None:
-    written, data = quick_run
+def test_quick_run_says_it_is_a_smoke_test_on_its_device(quick_run) -> None:
+    from experiments.harness import device_name
+
+    written, data, titles = quick_run
     assert "SMOKE TEST, NOT THE EXPERIMENT" in data["meta"]["model"]
     assert "SMOKE TEST, NOT THE EXPERIMENT" in written.markdown
+    assert len(titles) == 1
+    assert "SMOKE TEST" in titles[0] and f"({device_name()})" in titles[0]
 
 
 def test_implementations_start_from_the_same_weights_on_the_same_batches(quick_run) -> None:
     """Step 1 runs identical weights on an identical batch: the losses differ only by the
     loss's arithmetic (torch.compile rounds its logits to bfloat16, cce keeps float32)."""
-    _, data = quick_run
+    _, data, _ = quick_run
     first_loss = {run: losses[0] for run, losses in losses_by_run(data).items()}
     for seed in (0, 1):
         baseline = first_loss["torch_compile", seed]
@@ -82,7 +89,7 @@ def test_implementations_start_from_the_same_weights_on_the_same_batches(quick_r
 
 
 def test_table_reports_paired_differences_from_torch_compile(quick_run) -> None:
-    written, data = quick_run
+    written, data, _ = quick_run
     header = written.markdown.split("\n| implementation |", 1)[1].split("\n", 1)[0]
     assert "| max_abs_diff_vs_torch_compile | max_abs_diff_seed_means |" in header
     losses = {run: torch.tensor(values, dtype=torch.float64)
@@ -217,13 +224,14 @@ def test_gguf_path_variable_overrides_the_package(tmp_path: Path,
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs on CPU-only machines")
 def test_importing_the_experiment_first_keeps_the_triton_interpreter_working() -> None:
-    """``python -m experiments.alpaca_finetune`` imports it before anything else: it must not
-    import triton (through transformers) before cce turns the interpreter on."""
+    """``python -m experiments.alpaca_finetune`` imports it before anything else: Triton's
+    interpreter is on before anything imports triton (through transformers), so that cce's
+    kernels (impl="cce") run on a CPU."""
     import subprocess
 
     code = ("import experiments.alpaca_finetune, cce, torch; "
             "print(float(cce.linear_cross_entropy(torch.zeros(4, 8), torch.zeros(5, 8), "
-            "torch.zeros(4, dtype=torch.long))))")
+            "torch.zeros(4, dtype=torch.long), impl='cce')))")
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=environment, cwd=Path(__file__).resolve().parents[1], check=True)

@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -17,10 +18,16 @@ EPS = 2.0**-12
 
 
 def test_quick_mode_writes_a_finite_row_for_every_method(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")  # for bench.png
     from experiments import bench
     from experiments.compare_impls import variants
+    from experiments.harness import device_label
+    from tests.helpers import saved_figure_titles
 
-    written = bench.run(quick=True, out_dir=tmp_path)
+    with saved_figure_titles() as titles:
+        written = bench.run(quick=True, out_dir=tmp_path)
+
+    assert len(titles) == 1 and f"({device_label()})" in titles[0]
 
     assert written.errors == []
     for suffix in ("json", "md", "png"):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -82,3 +84,135 @@ def test_main_rejects_an_unknown_experiment() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--only", "no_such_experiment"])
     assert exit_info.value.code == 2
+
+
+def test_main_rejects_a_data_file_that_does_not_exist(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from experiments.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "missing.json"), "--only", "fig1_memory"])
+    assert exit_info.value.code == 2
+    assert "--data" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs on CPU-only machines")
+def test_importing_the_experiments_turns_on_the_triton_interpreter_before_triton() -> None:
+    """``python -m experiments[.NAME]`` measures cce's kernels in Triton's interpreter on a CPU:
+    importing the package sets TRITON_INTERPRET=1 before triton is imported, and keeps a value
+    that the caller set."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, sys, experiments; "
+            "print(os.environ.get('TRITON_INTERPRET'), 'triton' in sys.modules)")
+    repository = Path(__file__).resolve().parents[1]
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+
+    def run(**variables: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True, cwd=repository,
+                              env={**environment, **variables}).stdout.strip()
+
+    assert run() == "1 False"
+    assert run(TRITON_INTERPRET="0") == "0 False"
+
+
+def test_quick_runs_write_to_a_scratch_folder_and_end_with_a_summary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --out a quick run writes to QUICK_RESULTS_DIR, never to the committed results, and
+    prints one line per experiment (name, seconds, status, files), not the reports."""
+    from experiments import harness
+    from experiments.__main__ import main
+
+    monkeypatch.setattr(harness, "QUICK_RESULTS_DIR", tmp_path / "quick")
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path / "results")
+
+    assert main(["--quick", "--only", "fig1_memory"]) == 0
+
+    assert sorted(path.name for path in (tmp_path / "quick").iterdir()) == [
+        "fig1_memory.json", "fig1_memory.md", "fig1_memory.png"]
+    assert not (tmp_path / "results").exists()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    name, seconds, unit, status, *files = lines[0].split()
+    assert (name, unit, status) == ("fig1_memory", "s", "ok") and float(seconds) >= 0
+    assert files == ["fig1_memory.json", "fig1_memory.md", "fig1_memory.png"]
+    assert lines[1].startswith("Files in ") and lines[1].endswith("quick")
+
+
+def test_the_default_output_folders_are_results_for_full_runs_and_ignored_for_quick() -> None:
+    import shutil
+    import subprocess
+
+    from experiments.harness import QUICK_RESULTS_DIR, REPOSITORY, RESULTS_DIR, default_out_dir
+
+    assert default_out_dir(quick=False) == RESULTS_DIR == REPOSITORY / "results"
+    assert default_out_dir(quick=True) == QUICK_RESULTS_DIR
+    if shutil.which("git") is None or not (REPOSITORY / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(QUICK_RESULTS_DIR / "bench.png")],
+                             cwd=REPOSITORY)
+    assert ignored.returncode == 0, f"git does not ignore {QUICK_RESULTS_DIR}"
+
+
+def test_a_failing_experiment_is_reported_and_the_others_still_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import experiments
+    from experiments.__main__ import main
+
+    monkeypatch.setitem(experiments.EXPERIMENTS, "broken", "no_such_module_of_experiments")
+
+    status = main(["--out", str(tmp_path), "--only", "broken", "fig1_memory"])
+
+    assert status == 1
+    output = capsys.readouterr()
+    broken, working = output.out.splitlines()[:2]
+    assert broken.startswith("broken") and "FAILED (ModuleNotFoundError" in broken
+    assert broken.endswith("no files")
+    assert working.startswith("fig1_memory") and " ok " in working
+    assert "FAILED broken: ModuleNotFoundError" in output.err
+
+
+def test_the_data_path_reaches_the_experiments_that_read_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--data goes to every experiment whose run() takes a data path, and only to those."""
+    import types
+
+    import experiments
+    from experiments.__main__ import main
+    from experiments.harness import write_results
+
+    calls = []
+
+    def reads_data(quick: bool, out_dir: Path, data_path: Optional[Path] = None):
+        calls.append(("reads_data", data_path))
+        return write_results("reads_data", [], {}, out_dir)
+
+    def reads_no_data(quick: bool, out_dir: Path):
+        calls.append(("reads_no_data", None))
+        return write_results("reads_no_data", [], {}, out_dir)
+
+    for run in (reads_data, reads_no_data):
+        module = types.ModuleType(f"fake_{run.__name__}")
+        module.run = run
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        monkeypatch.setitem(experiments.EXPERIMENTS, run.__name__, module.__name__)
+    data = tmp_path / "alpaca.json"
+    data.write_text("[]")
+
+    assert main(["--out", str(tmp_path), "--data", str(data),
+                 "--only", "reads_data", "reads_no_data"]) == 0
+    assert calls == [("reads_data", data), ("reads_no_data", None)]
+
+
+def test_timing_figures_name_the_device() -> None:
+    from experiments.harness import ON_GPU, device_label
+
+    if ON_GPU:
+        assert device_label() == torch.cuda.get_device_name()
+    else:
+        assert device_label() == "CPU (Triton interpreter): not GPU timings"

