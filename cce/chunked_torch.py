@@ -13,6 +13,7 @@ exact in float32, so only float32 accumulation error remains, as in the Triton k
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -54,10 +55,26 @@ def _chunk_logits(e32: torch.Tensor, c32: torch.Tensor, bias32: Optional[torch.T
     return capped * softcap, capped
 
 
+def _without_autocast(method):
+    """Runs ``method(ctx, ...)`` with autocast off on the tensors' device: the chunks multiply
+    float32 copies, which a caller's autocast would round back to 16 bits."""
+
+    @functools.wraps(method)
+    def wrapped(ctx, *args):
+        first = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+        if first is None or first.device.type not in ("cpu", "cuda"):
+            return method(ctx, *args)  # no autocast there (meta tensors: shapes only)
+        with torch.autocast(first.device.type, enabled=False):
+            return method(ctx, *args)
+
+    return wrapped
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Per-token loss and LSE, float32 (N,); targets are canonical (int64, -1 = ignored)."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, softcap: Optional[float], weight: Optional[torch.Tensor],
                 label_smoothing: float):
@@ -89,6 +106,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the backward's in-place chunk arithmetic records no graph
+    @_without_autocast
     def backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor):
         e, c, bias, targets, lse, weight = ctx.saved_tensors
         needs_grad_e, needs_grad_c, needs_grad_bias = ctx.needs_input_grad[:3]

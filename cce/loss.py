@@ -197,7 +197,7 @@ def linear_cross_entropy(
         token_loss = torch.where(any_out_of_range, float("nan"), token_loss)
     elif read_any_out_of_range():
         raise ValueError(f"targets must be in [0, {vocab_size}) or equal ignore_index="
-                         f"{ignore_index}; found {targets[out_of_range][0].item()}")
+                         f"{ignore_index}; found {_first_out_of_range(targets, out_of_range)}")
 
     if reduction == "none":
         loss = token_loss.reshape(targets.shape)
@@ -254,6 +254,11 @@ class LinearCrossEntropy(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
+
+
+def _first_out_of_range(targets: torch.Tensor, out_of_range: torch.Tensor) -> int:
+    """For the error message: on the CPU, where every integer dtype can be indexed."""
+    return targets.cpu()[out_of_range.cpu()][0].item()
 
 
 def _check_vocab_parallel_options(weight, label_smoothing, deterministic, keep_tiles) -> None:
@@ -321,6 +326,9 @@ def _start_host_read(flag: torch.Tensor) -> Optional[Callable[[], bool]]:
     return read
 
 
+_AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps", "hpu", "xla", "mtia")
+
+
 def _cast_as_linear_would(e, c, bias):
     """Under torch.autocast on e's device, e, c and bias in the autocast dtype, as F.linear
     would multiply them (autocast casts a matmul's float16/bfloat16/float32 inputs on its
@@ -329,8 +337,9 @@ def _cast_as_linear_would(e, c, bias):
     if not isinstance(e, torch.Tensor):
         return e, c, bias  # the argument checks say why
     device_type = e.device.type
-    if not (torch.amp.is_autocast_available(device_type)
-            and torch.is_autocast_enabled(device_type)):
+    # Autocast exists for these device types only (torch.amp.is_autocast_available, which
+    # torch.compile cannot trace in torch 2.11).
+    if device_type not in _AUTOCAST_DEVICE_TYPES or not torch.is_autocast_enabled(device_type):
         return e, c, bias
     dtype = torch.get_autocast_dtype(device_type)
 
