@@ -170,7 +170,8 @@ def _kept_tiles_backward(e, c, target_positions, bias, softcap, lse, prob_scale,
                           correction.kept_mass if correction is not None else None, rank_one)
     gradient_times_classifier(scratch, tile_lists, e, vocab_order, grad_c, grad_bias,
                               all_vocab_blocks,
-                              RankOneUpdate.for_classifier(rank_one, e) if rank_one is not None else None)
+                              (RankOneUpdate.for_classifier(rank_one, e) if rank_one is not None
+                               else None))
     # slot_map[t, v] = the slot of tile (t, v): the k-th of vocabulary block v's list is in
     # slot first_slots[v] + k.
     entries = torch.arange(num_token_blocks, device=e.device)
@@ -182,8 +183,8 @@ def _kept_tiles_backward(e, c, target_positions, bias, softcap, lse, prob_scale,
         tile_lists.first_slots[:, None] + entries[None, :].int())[listed]
     gradient_times_embeddings(scratch, live_tiles, c, vocab_order, grad_e,
                               range(num_token_blocks), mass_correction=correction,
-                              rank_one=(RankOneUpdate.for_embeddings(rank_one, c) if rank_one is not None
-                                        else None),
+                              rank_one=(RankOneUpdate.for_embeddings(rank_one, c)
+                                        if rank_one is not None else None),
                               slot_map=slot_map)
 
 

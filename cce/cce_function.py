@@ -175,7 +175,8 @@ def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
     target_sums = torch.zeros_like(logits).index_add_(0, targets.clamp(min=0), target_scale)
     grad = torch.softmax(logits, dim=0) * prob_scale.sum() - target_sums
     if rank_one is not None:
-        grad = grad + (rank_one.weight if rank_one.weight is not None else 1.0) * rank_one.scale.sum()
+        class_weight = rank_one.weight if rank_one.weight is not None else 1.0
+        grad = grad + class_weight * rank_one.scale.sum()
     if softcap is not None:
         grad = grad * (1.0 - capped * capped)
     return grad.to(bias.dtype)

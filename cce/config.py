@@ -55,14 +55,16 @@ _INTERPRETER = KernelConfigs(
 )
 _GPU_16BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=128),
-    # 128 x 256 forward tiles: 20% faster than 128 x 128 on an H200 (NOTES.md).
+    # 128 x 256 forward tiles: 20% faster than 128 x 128 on an H200 (docs/notes/forward.md).
     lse_forward=KernelConfig(block_tokens=128, block_vocab=256, block_dim=64, num_warps=8,
                              num_stages=3),
     live_grid=KernelConfig(block_tokens=128, block_vocab=128),
-    # 4 warps: 13-19% faster recomputes than 8 on an H200 (NOTES.md), probably because two
-    # programs then share an SM and one's exp-filter-store overlaps the other's products.
+    # 4 warps: 13-19% faster recomputes than 8 on an H200 (docs/notes/backward.md), probably
+    # because two programs then share an SM and one's exp-filter-store overlaps the other's
+    # products.
     gradient_tiles=KernelConfig(block_dim=64, num_warps=4, num_stages=3),
-    # 256 output columns, 2 stages: 14-20% faster than 128 columns with 3 or 4 stages (NOTES.md).
+    # 256 output columns, 2 stages: 14-20% faster than 128 columns with 3 or 4 stages
+    # (docs/notes/backward.md).
     sparse_tile_matmul=KernelConfig(block_out=256, num_warps=8, num_stages=2),
 )
 _GPU_32BIT = KernelConfigs(

@@ -106,7 +106,7 @@ def lse_forward_kernel(
             # The row maxima of each live-grid tile, by masking the other one's columns: the
             # LSE's row maxima are their maxima. (A reshape of the tile, or joining the two
             # halves' maxima, moves data through shared memory: +15% forward kernel time at
-            # D = 640 on an H200, against +4% for the masks; NOTES.md.)
+            # D = 640 on an H200, against +4% for the masks; docs/notes/forward.md.)
             left = (tl.arange(0, BLOCK_VOCAB) < LIVE_BLOCK_VOCAB)[None, :]
             left_row_max = tl.max(tl.where(left, logits, float("-inf")), axis=1)
             right_row_max = tl.max(tl.where(left, float("-inf"), logits), axis=1)
@@ -117,7 +117,7 @@ def lse_forward_kernel(
         new_max = tl.maximum(running_max, tile_row_max)
         safe_max = exp_shift(new_max)
         # exp(z - m) as exp2(z * log2(e) - m * log2(e)): one fused multiply-add per entry
-        # (exp costs more: 12% of the kernel at D = 640 on an H200, NOTES.md).
+        # (exp costs more: 12% of the kernel at D = 640 on an H200, docs/notes/forward.md).
         scaled_max = safe_max * LOG2_E
         running_sum = (running_sum * tl.exp2(running_max * LOG2_E - scaled_max)
                        + tl.sum(tl.exp2(logits * LOG2_E - scaled_max[:, None]), axis=1))

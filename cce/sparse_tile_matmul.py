@@ -25,7 +25,7 @@ Gradient filtering drops entries of G. With a ``MassCorrection`` (dE only), the 
 them back as an estimate: each row's dropped probability mass (one minus the kept mass, which
 pass 1 sums, :mod:`cce.gradient_tiles`) times the mean classifier row. The dropped entries are
 many small ones, and language models' classifier rows share a direction, so this removes most
-of the filter's dE error (NOTES.md, twelfth session).
+of the filter's dE error (docs/notes/filtering-accuracy.md).
 """
 
 from __future__ import annotations

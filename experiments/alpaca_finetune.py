@@ -24,8 +24,8 @@ a float32 loss, whose gradient flows back through the cast into the float32 weig
 no concern at 270M parameters: 16 bytes each with AdamW, 4.3 GB.
 
 Hyper-parameters, sized so that 3 implementations x 5 seeds, with the model load and the
-compilations, take about 6 minutes on one H100 or H200 (estimated, not yet measured: 60-100 ms
-a step, of which the loss takes 5-30 ms by NOTES.md's timings; ``--steps`` scales it): 150
+compilations, take about 6 minutes on one H200 (a median step of 138-144 ms measured there,
+``results/alpaca_finetune.md``; ``--steps`` scales it): 150
 steps of 8 examples (1,200 of the 5,000, none seen twice), examples truncated to 512 tokens (2
 of the 5,000 are longer), each batch padded on the right to a multiple of 64 tokens, so that
 torch.compile (fixed shapes) compiles at most 8 shapes rather than one per batch length, for

@@ -44,8 +44,11 @@ def test_quick_mode_writes_a_finite_row_for_every_method(tmp_path: Path) -> None
     rows = results["rows"]
     assert [row["method"] for row in rows] == list(bench.METHODS)
     measured = [row for row in rows if "skipped" not in row]
-    # Apple's and Liger's kernels need CUDA; every method of this package runs everywhere.
-    assert {row["method"] for row in measured} >= {variant.name for variant in variants()}
+    # Apple's and Liger's kernels need CUDA; every method of this package runs everywhere, but
+    # the bench times the chunked CPU path (cce_torch) only where there is no GPU.
+    expected = {variant.name for variant in variants()
+                if variant.impl != "cce_torch" or not torch.cuda.is_available()}
+    assert {row["method"] for row in measured} >= expected
     for row in measured:
         for column in ("loss_rel_err", "de_rel_err", "dc_rel_err"):
             assert math.isfinite(row[column]) and row[column] < 0.05, (row["method"], column)
