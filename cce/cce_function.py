@@ -66,6 +66,28 @@ def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: tor
                       grid.block_vocab, filter_eps)
 
 
+def uses_mass_correction(filter_correction: bool, filter_eps: Optional[float],
+                         softcap: Optional[float]) -> bool:
+    """Whether dE gets back what the filter dropped: with filtering and no softcap, whose
+    derivative the dropped entries' mass does not carry (:mod:`cce.sparse_tile_matmul`)."""
+    return filter_correction and filter_eps is not None and softcap is None
+
+
+def needs_gradient(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a backward will follow: grad mode on and some input requiring grad."""
+    return torch.is_grad_enabled() and any(
+        tensor is not None and tensor.requires_grad for tensor in tensors)
+
+
+def tokenless_loss(e: torch.Tensor, c: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> "tuple[torch.Tensor, torch.Tensor]":
+    """The per-token loss and LSE of no tokens: zero-size outputs that still connect every
+    input to the graph."""
+    connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
+    empty = e.new_zeros(0, dtype=torch.float32) + connected * 0
+    return empty, empty.clone()
+
+
 # --- The ops ---------------------------------------------------------------------------------
 
 
@@ -156,7 +178,7 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
         e, c, positions, bias, softcap, lse, prob_scale, target_scale, order, live, filter_eps,
         needs_grad_e=needs_grad_e, needs_grad_c=needs_grad_c,
-        mass_correction=filter_correction and filter_eps is not None and softcap is None,
+        mass_correction=uses_mass_correction(filter_correction, filter_eps, softcap),
         rank_one=rank_one, keep_tiles=keep_tiles)
     return (_or_empty(grad_e, e.dtype, e.device), _or_empty(grad_c, c.dtype, c.device),
             _or_empty(grad_bias, c.dtype, c.device))
@@ -291,15 +313,11 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     tensors, or CPU tensors in Triton's interpreter. ``deterministic`` and ``keep_tiles``: see
     :func:`cce.linear_cross_entropy`."""
     if e.shape[0] == 0:
-        # No tokens: zero-size outputs that still connect every input to the graph.
-        connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
-        empty = e.new_zeros(0, dtype=torch.float32) + connected * 0
-        return empty, empty.clone()
+        return tokenless_loss(e, c, bias)
     if bias is not None:
         bias = bias.contiguous()  # the kernels index it with unit stride
     # Grad mode is off inside the op, where the forward must know whether a backward follows.
-    needs_grad = torch.is_grad_enabled() and any(
-        tensor is not None and tensor.requires_grad for tensor in (e, c, bias))
+    needs_grad = needs_gradient(e, c, bias)
     arguments = (e, c, bias, targets.contiguous(), weighting.weight, softcap, filter_eps,
                  vocab_sorting, filter_correction, weighting.label_smoothing, deterministic,
                  keep_tiles, needs_grad)

@@ -164,16 +164,16 @@ def linear_cross_entropy(
     """
     reject_dtensors(e=e, c=c, targets=targets, bias=bias)
     check_options(vocab_parallel, impl)
+    _check_kernel_flags(deterministic, keep_tiles)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     if vocab_parallel is not None:
         _check_vocab_parallel_options(weight, label_smoothing, deterministic, keep_tiles)
     vocab_size = c.shape[0] if vocab_parallel is None else check_shards(vocab_parallel, e, c)
     e, c, bias = _cast_as_linear_would(e, c, bias)
     _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
                      vocab_sorting, filter_correction, impl, weight, label_smoothing)
-    _check_kernel_flags(deterministic, keep_tiles)
     eps = default_filter_eps(e.dtype) if filter_eps == "auto" else filter_eps
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
     kernel_options = ({"deterministic": deterministic, "keep_tiles": keep_tiles}
                       if impl == "cce" else {})
     weighting = LossWeighting(None if weight is None else weight.float().contiguous(),
@@ -263,12 +263,13 @@ def _first_out_of_range(targets: torch.Tensor, out_of_range: torch.Tensor) -> in
     return targets.cpu()[out_of_range.cpu()][0].item()
 
 
-def _check_vocab_parallel_options(weight, label_smoothing, deterministic, keep_tiles) -> None:
+def _check_vocab_parallel_options(weight, label_smoothing, deterministic: bool,
+                                  keep_tiles) -> None:
     if weight is not None or label_smoothing:
         raise ValueError("vocab_parallel does not support weight or label_smoothing")
     if keep_tiles:
         raise ValueError("vocab_parallel does not support keep_tiles")
-    if deterministic or (deterministic is None and torch.are_deterministic_algorithms_enabled()):
+    if deterministic:
         # As torch does for an operation without a deterministic implementation.
         raise RuntimeError("vocab_parallel has no deterministic implementation (the shards' "
                            "log-sum-exps are merged under a spin lock): pass deterministic=False "

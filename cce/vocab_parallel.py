@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from cce.backward import linear_cross_entropy_backward
 from cce.baselines import materialized_logits
-from cce.cce_function import recompute_table
+from cce.cce_function import (needs_gradient, recompute_table, tokenless_loss,
+                               uses_mass_correction)
 from cce.config import check_interpreter_usable, interpreting
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
@@ -146,10 +147,7 @@ def vocab_parallel_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     in_shard = (targets >= vocab_parallel.start) & (targets < vocab_parallel.stop)
     local_targets = torch.where(in_shard, targets - vocab_parallel.start, -1)
     if e.shape[0] == 0:
-        # No tokens on any rank (e is the same on all): nothing to exchange.
-        connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
-        empty = e.new_zeros(0, dtype=torch.float32) + connected * 0
-        return empty, empty.clone()
+        return tokenless_loss(e, c, bias)  # on every rank (e is the same): no exchange
     if impl == "torch":
         return _materialized_loss(e, c, targets, local_targets, bias, softcap, group)
     check_interpreter_usable()
@@ -158,8 +156,7 @@ def vocab_parallel_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                          "interpreter, TRITON_INTERPRET=1); impl='torch' runs on CPU tensors")
     if bias is not None:
         bias = bias.contiguous()  # the kernels index it with unit stride
-    needs_grad = torch.is_grad_enabled() and any(
-        tensor is not None and tensor.requires_grad for tensor in (e, c, bias))
+    needs_grad = needs_gradient(e, c, bias)
     return VocabParallelFunction.apply(e, c, bias, targets.contiguous(),
                                        local_targets.contiguous(), group, softcap, filter_eps,
                                        vocab_sorting, filter_correction, needs_grad)
@@ -188,7 +185,7 @@ class VocabParallelFunction(torch.autograd.Function):
         # As on one GPU: a row with an infinite logit has a NaN loss, as in PyTorch.
         token_loss = torch.where(lse == float("inf"), float("nan"), lse - target_logit)
         loss = torch.where(targets >= 0, token_loss, 0.0)
-        mass_correction = filter_correction and filter_eps is not None and softcap is None
+        mass_correction = uses_mass_correction(filter_correction, filter_eps, softcap)
         shard_mass = torch.exp(local_lse - lse) if mass_correction and needs_grad else None
         ctx.save_for_backward(e, c, bias, targets, local_targets, lse, order, tile_bound,
                               shard_mass)
