@@ -6,8 +6,9 @@ torch.compile), and the forward with its autograd formula, which calls the backw
 torch.compile sees one opaque op per pass instead of tracing into the kernels' launch code
 (which, in Triton's CPU interpreter, it cannot). Custom ops take and return tensors only: an
 absent output (the vocabulary order without sorting, the tile bounds without a filtering
-backward, a gradient nobody needs) is an empty tensor. The gradients are differentiable once:
-differentiating them raises (:func:`_differentiable_once`).
+backward, the curvature sum without a softcap and smoothing, a gradient nobody needs) is an
+empty tensor. The gradients are differentiable once: differentiating them raises
+(:func:`_differentiable_once`).
 """
 
 from __future__ import annotations
@@ -38,20 +39,22 @@ class ForwardResults(NamedTuple):
 def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                     targets: torch.Tensor, softcap: Optional[float], records_bounds: bool,
                     vocab_sorting: bool, *, logit_sum: Optional[torch.Tensor] = None,
+                    curvature_sum: Optional[torch.Tensor] = None,
                     class_weight: Optional[torch.Tensor] = None,
                     deterministic: bool = False) -> ForwardResults:
     """Run the forward's kernels: vocabulary order, indexed dot, linear-log-sum-exp.
     ``records_bounds``: a filtering backward will follow, so the forward records the bounds of
     the live grid's tiles (else None) and, with ``vocab_sorting``, sorts the vocabulary first
     (else the order is None: sorting only serves the backward's skipping). ``logit_sum``,
-    ``class_weight``, ``deterministic``: see :func:`cce.lse_forward.lse_forward`."""
+    ``curvature_sum``, ``class_weight``, ``deterministic``: see
+    :func:`cce.lse_forward.lse_forward`."""
     order = vocab_order(e, c, bias, targets) if records_bounds and vocab_sorting else None
     target_logit = indexed_dot(e, c, targets, bias, softcap)
     # The target logits double as lower bounds of the LSE for the tile bounds.
     lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
                                   target_logit if records_bounds else None,
-                                  logit_sum=logit_sum, class_weight=class_weight,
-                                  deterministic=deterministic)
+                                  logit_sum=logit_sum, curvature_sum=curvature_sum,
+                                  class_weight=class_weight, deterministic=deterministic)
     return ForwardResults(order, target_logit, lse, tile_bound)
 
 
@@ -101,19 +104,24 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
                  label_smoothing: float, deterministic: bool, keep_tiles: bool,
                  needs_grad: bool,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-token loss, lse, vocabulary order, tile bounds): float32 (N,), float32 (N,), int32
-    (V,) or empty, float32 live-grid table or empty. Targets are canonical (int64, -1 = ignored);
-    ``weight`` (float32 (V,)) and ``label_smoothing`` as in :mod:`cce.weighting`.
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token loss, lse, vocabulary order, tile bounds, curvature sum): float32 (N,), float32
+    (N,), int32 (V,) or empty, float32 live-grid table or empty, float32 (N,) with a softcap and
+    label smoothing (:meth:`cce.weighting.LossWeighting.rank_one_term`) or empty. Targets are
+    canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and ``label_smoothing`` as in
+    :mod:`cce.weighting`.
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
     ``filter_correction`` and ``keep_tiles`` are the backward's (see :func:`loss_backward`);
     ``deterministic``: see :func:`cce.lse_forward.lse_forward`."""
     check_interpreter_usable()
     logit_sum = (torch.zeros(targets.shape, dtype=torch.float32, device=e.device)
                  if label_smoothing else None)
+    curvature_sum = (torch.zeros_like(logit_sum)
+                     if label_smoothing and softcap is not None else None)
     order, target_logit, lse, tile_bound = forward_kernels(
         e, c, bias, targets, softcap, _records_bounds(filter_eps, needs_grad), vocab_sorting,
-        logit_sum=logit_sum, class_weight=weight, deterministic=deterministic)
+        logit_sum=logit_sum, curvature_sum=curvature_sum, class_weight=weight,
+        deterministic=deterministic)
     # lse and the target logit come from different kernels: on a row whose softmax is one-hot
     # to float32 precision their difference can round below 0, which a loss never is.
     cross_entropy = (lse - target_logit).clamp_min(0.0)
@@ -123,7 +131,8 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     loss = LossWeighting(weight, label_smoothing).token_loss(cross_entropy, lse, logit_sum,
                                                               targets, c.shape[0])
     return (loss, lse, _or_empty(order, torch.int32, e.device),
-            _or_empty(tile_bound, torch.float32, e.device))
+            _or_empty(tile_bound, torch.float32, e.device),
+            _or_empty(curvature_sum, torch.float32, e.device))
 
 
 @loss_forward.register_fake
@@ -138,32 +147,37 @@ def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_s
             e.new_empty(num_tokens, dtype=torch.float32),
             e.new_empty(vocab_size if records_bounds and vocab_sorting else 0,
                         dtype=torch.int32),
-            e.new_empty(bound_shape, dtype=torch.float32))
+            e.new_empty(bound_shape, dtype=torch.float32),
+            e.new_empty(num_tokens if label_smoothing and softcap is not None else 0,
+                        dtype=torch.float32))
 
 
 @torch.library.custom_op("cce::loss_backward", mutates_args=())
 def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                   targets: torch.Tensor, weight: Optional[torch.Tensor], lse: torch.Tensor,
-                  order: torch.Tensor, tile_bound: torch.Tensor,
+                  order: torch.Tensor, tile_bound: torch.Tensor, curvature_sum: torch.Tensor,
                   grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
                   softcap: Optional[float], filter_eps: Optional[float],
                   filter_correction: bool, label_smoothing: float, keep_tiles: bool,
                   needs_grad_e: bool, needs_grad_c: bool,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` (a None gradient counts as
-    0), each empty when not needed (dC and dbias both come with ``needs_grad_c``). ``order``
-    and ``tile_bound``: from :func:`loss_forward`. ``filter_correction``: with filtering and no
-    softcap, dE gets back what the filter dropped (:mod:`cce.sparse_tile_matmul`).
+    0), each empty when not needed (dC and dbias both come with ``needs_grad_c``). ``order``,
+    ``tile_bound`` and ``curvature_sum``: from :func:`loss_forward`. ``filter_correction``: with
+    filtering and no softcap, dE gets back what the filter dropped (:mod:`cce.sparse_tile_matmul`).
     ``keep_tiles``: recompute each live tile once, into memory of its own
     (:func:`cce.backward.linear_cross_entropy_backward`)."""
     order = order if order.numel() else None
+    curvature_sum = curvature_sum if curvature_sum.numel() else None
     if grad_loss is None:
         grad_loss = torch.zeros_like(lse)
-    prob_scale, target_scale, uniform_scale = LossWeighting(
-        weight, label_smoothing).gradient_scales(grad_loss, targets, c.shape[0])
+    weighting = LossWeighting(weight, label_smoothing)
+    prob_scale, target_scale, uniform_scale = weighting.gradient_scales(grad_loss, targets,
+                                                                        c.shape[0])
     if grad_lse is not None:
         prob_scale = prob_scale + grad_lse.float()
-    rank_one = RankOneTerm(uniform_scale, weight) if uniform_scale is not None else None
+    rank_one = (weighting.rank_one_term(uniform_scale, curvature_sum, c.shape[0])
+                if uniform_scale is not None else None)
     if e.shape[1] == 0:
         grad_bias = (_bias_gradient_without_dimensions(bias, targets, softcap, prob_scale,
                                                        target_scale, rank_one)
@@ -205,9 +219,9 @@ def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
 
 
 @loss_backward.register_fake
-def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, grad_loss, grad_lse,
-                        softcap, filter_eps, filter_correction, label_smoothing, keep_tiles,
-                        needs_grad_e, needs_grad_c):
+def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum,
+                        grad_loss, grad_lse, softcap, filter_eps, filter_correction,
+                        label_smoothing, keep_tiles, needs_grad_e, needs_grad_c):
     return (e.new_empty(e.shape if needs_grad_e else (0,)),
             c.new_empty(c.shape if needs_grad_c else (0,)),
             c.new_empty(bias.shape if needs_grad_c and bias is not None else (0,)))
@@ -219,22 +233,23 @@ def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, gra
 def _loss_forward_setup_context(ctx, inputs, output) -> None:
     (e, c, bias, targets, weight, softcap, filter_eps, _, filter_correction, label_smoothing, _,
      keep_tiles, _) = inputs
-    _, lse, order, tile_bound = output
-    ctx.mark_non_differentiable(order, tile_bound)
+    _, lse, order, tile_bound, curvature_sum = output
+    ctx.mark_non_differentiable(order, tile_bound, curvature_sum)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(e, c, bias, targets, weight, lse, order, tile_bound)
+    ctx.save_for_backward(e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum)
     ctx.options = (softcap, filter_eps, filter_correction, label_smoothing, keep_tiles)
 
 
 def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
-                           grad_lse: Optional[torch.Tensor], _grad_order, _grad_tile_bound):
+                           grad_lse: Optional[torch.Tensor], _grad_order, _grad_tile_bound,
+                           _grad_curvature_sum):
     """Gradients of e, c and bias (None for the targets and the options)."""
-    e, c, bias, targets, weight, lse, order, tile_bound = ctx.saved_tensors
+    e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum = ctx.saved_tensors
     needs_e, needs_c, needs_bias = ctx.needs_input_grad[:3]
     with torch.no_grad():  # under create_graph=True too: see _differentiable_once
         grad_e, grad_c, grad_bias = loss_backward(
-            e, c, bias, targets, weight, lse, order, tile_bound, grad_loss, grad_lse,
-            *ctx.options,
+            e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum, grad_loss,
+            grad_lse, *ctx.options,
             needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
     gradients = _differentiable_once(
         [grad for grad, needed in ((grad_e, needs_e), (grad_c, needs_c), (grad_bias, needs_bias))
@@ -321,6 +336,6 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     arguments = (e, c, bias, targets.contiguous(), weighting.weight, softcap, filter_eps,
                  vocab_sorting, filter_correction, weighting.label_smoothing, deterministic,
                  keep_tiles, needs_grad)
-    loss, lse, _, _ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
-                       else loss_forward(*arguments))
+    loss, lse, _, _, _ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
+                          else loss_forward(*arguments))
     return loss, lse

@@ -42,8 +42,8 @@ def store_tile(scratch_ptr, offsets, grad, row_mask, DOT_PRECISION: tl.constexpr
 @triton.jit
 def gradient_tiles_kernel(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
-    uniform_scale_ptr, class_weight_ptr, vocab_order_ptr, live_tiles_ptr, flags_ptr,
-    kept_mass_ptr, scratch_ptr, pages_ptr,
+    uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, vocab_order_ptr, live_tiles_ptr,
+    flags_ptr, kept_mass_ptr, scratch_ptr, pages_ptr,
     tile_lists_ptr, tile_counts_ptr, first_slots_ptr,
     num_tokens, vocab_size, dim, num_vocab_blocks,
     first_token_block, first_vocab_block, chunk_token_blocks, chunk_vocab_blocks,
@@ -94,8 +94,8 @@ def gradient_tiles_kernel(
             vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
         grad, keep, row_mass = logit_gradient_tile(
             e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr,
-            target_scale_ptr, uniform_scale_ptr, class_weight_ptr, rows, row_mask, vocab_block,
-            vocab, vocab_mask, vocab_size, dim,
+            target_scale_ptr, uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, rows,
+            row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
             stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
             HAS_BIAS, HAS_SOFTCAP, FILTER, UNIFORM, HAS_CLASS_WEIGHT, BLOCK_TOKENS, BLOCK_VOCAB,
             BLOCK_DIM, DOT_PRECISION,
@@ -131,8 +131,8 @@ def gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Ten
     tile: 1 = stored); add the softmax mass of the stored tiles to ``kept_mass`` (int64 (N,),
     module docstring) when given. ``target_positions``: see
     :func:`cce.vocab_order.target_positions`. ``rank_one``: the gradient's rank-one term (label
-    smoothing), which the products add; the tiles hold only its softcap derivative's share
-    (:func:`cce.logit_tile.logit_gradient_tile`)."""
+    smoothing), which the products add; with a softcap the tiles hold its part that is not
+    rank-one (:func:`cce.logit_tile.logit_gradient_tile`)."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
             kept_mass=kept_mass, rank_one=rank_one)
@@ -173,7 +173,8 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
                else RankOneTerm(None, None))
     gradient_tiles_kernel[(programs,)](
         e, c, bias, target_positions, lse, prob_scale, target_scale, uniform.scale,
-        uniform.weight, vocab_order, live_tiles, flags, kept_mass, scratch.buffer, scratch.pages,
+        uniform.curvature_mean, uniform.weight, vocab_order, live_tiles, flags, kept_mass,
+        scratch.buffer, scratch.pages,
         tile_lists.lists if listed else None, tile_lists.counts if listed else None,
         tile_lists.first_slots if listed else None,
         num_tokens, c.shape[0], dim, triton.cdiv(c.shape[0], grid.block_vocab),

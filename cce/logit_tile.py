@@ -111,7 +111,7 @@ def logit_tile(
 @triton.jit
 def logit_gradient_tile(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
-    uniform_scale_ptr, class_weight_ptr,
+    uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr,
     rows, row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
@@ -127,11 +127,11 @@ def logit_gradient_tile(
     softcap derivative. ``keep`` is False when gradient filtering proves the tile negligible:
     every entry of ``softmax - onehot`` (on rows with a gradient) is below ``filter_eps``.
 
-    ``UNIFORM`` (label smoothing, :mod:`cce.weighting`): the gradient also has the rank-one term
-    ``uniform_scale[i] * class_weight[j]`` (weights 1 without ``HAS_CLASS_WEIGHT``), which the
-    products add in closed form, so the tile leaves it out. Only its softcap derivative's share,
-    ``-uniform_scale[i] * class_weight[j] * tanh^2``, is not rank-one: with a softcap, the tile
-    holds that.
+    ``UNIFORM`` (label smoothing, :mod:`cce.weighting`): the gradient also has the term
+    ``uniform_scale[i] * class_weight[j]`` (weights 1 without ``HAS_CLASS_WEIGHT``), times the
+    softcap derivative, whose rank-one part the products add in closed form. With a softcap the
+    tile holds the rest, ``-uniform_scale[i] * class_weight[j] * (tanh^2 - curvature_mean[i])``,
+    which sums to 0 over the row: a skipped tile drops only its deviation from the mean.
     """
     # The rows' values are loaded before the tile's products, which hide their latency.
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
@@ -173,7 +173,8 @@ def logit_gradient_tile(
         grad = grad * (1.0 - capped * capped)
         if UNIFORM:
             uniform = tl.load(uniform_scale_ptr + rows, mask=row_mask, other=0.0)
-            curvature = uniform[:, None] * (capped * capped)
+            curvature_mean = tl.load(curvature_mean_ptr + rows, mask=row_mask, other=0.0)
+            curvature = uniform[:, None] * (capped * capped - curvature_mean[:, None])
             if HAS_CLASS_WEIGHT:
                 curvature *= tl.load(class_weight_ptr + vocab, mask=vocab_mask,
                                      other=0.0)[None, :]

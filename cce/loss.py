@@ -135,12 +135,11 @@ def linear_cross_entropy(
         label_smoothing: in [0, 1], as in F.cross_entropy: the target distribution is
             ``(1 - label_smoothing) * onehot + label_smoothing / V``. Its gradient reaches every
             classifier row, but in closed form: the filter still skips the tiles it would skip
-            without it. With ``softcap`` that holds only for its uniform part: the part that
-            the cap's curvature adds (``label_smoothing * weight[v] / V * tanh^2`` of the
-            capped logit, per unit of the token's upstream gradient) is dropped with the
-            skipped tiles, as their small softmax entries are. Those entries are small, but
-            they add up where the cap saturates the skipped logits: ``filter_eps=None`` keeps
-            them.
+            without it. With ``softcap`` that holds up to the cap's curvature, of which the
+            skipped tiles drop only the deviation from each row's mean:
+            ``label_smoothing * weight[v] / V * (tanh^2 - mean_i)`` per unit of the token's
+            upstream gradient (``tanh^2`` of the capped logit, ``mean_i`` its weighted mean over
+            the row). ``filter_eps=None`` keeps it.
         deterministic: True makes the loss, lse and gradients bitwise identical across calls
             on one device (the forward merges its partial log-sum-exps in a fixed order instead
             of under a spin lock); None (default) follows

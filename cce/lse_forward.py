@@ -16,8 +16,8 @@ Tiles follow ``vocab_order`` when given (vocabulary sorting), so that the forwar
 backward's tiles are the same, and the head of the vocabulary, which holds most of the mass, is
 merged first.
 
-For label smoothing it also adds up each row's (class-weighted) sum of logits, merged under the
-same lock as the LSE (:mod:`cce.weighting`).
+For label smoothing it also adds up each row's (class-weighted) sum of logits, and with a softcap
+of their squared tanh, merged under the same lock as the LSE (:mod:`cce.weighting`).
 """
 
 from __future__ import annotations
@@ -55,12 +55,12 @@ def log_probability_bound(row_max, lse_lower, recorded_rows):
 @triton.jit
 def lse_forward_kernel(
     e_ptr, c_ptr, bias_ptr, targets_ptr, target_logit_ptr, vocab_order_ptr, lse_ptr, locks_ptr,
-    tile_bound_ptr, split_lse_ptr, class_weight_ptr, logit_sum_ptr,
+    tile_bound_ptr, split_lse_ptr, class_weight_ptr, logit_sum_ptr, curvature_sum_ptr,
     num_tokens, vocab_size, dim, vocab_blocks_per_program,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
     RECORD_TILE_BOUND: tl.constexpr, LOGIT_SUM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
-    LIVE_BLOCK_VOCAB: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    CURVATURE_SUM: tl.constexpr, LIVE_BLOCK_VOCAB: tl.constexpr, DETERMINISTIC: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -84,6 +84,7 @@ def lse_forward_kernel(
     running_max = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
+    curvature_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     for vocab_block in range(first_vocab_block, last_vocab_block):
         vocab, vocab_mask = vocab_block_entries(
             vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
@@ -99,6 +100,9 @@ def lse_forward_kernel(
             else:
                 class_weight = vocab_mask.to(tl.float32)
             logit_sum += tl.sum(logits * class_weight[None, :], axis=1)
+            if CURVATURE_SUM:
+                capped = logits / softcap  # tanh of the pre-cap logit, as the backward gets it
+                curvature_sum += tl.sum(capped * capped * class_weight[None, :], axis=1)
         # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)).
         if holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
             logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
@@ -142,7 +146,7 @@ def lse_forward_kernel(
     program_lse = safe_max + tl.log(running_sum)
 
     if DETERMINISTIC:
-        # The returned LSE (and logit sum): each program's partial, merged in a fixed order
+        # The returned LSE (and sums): each program's partial, merged in a fixed order
         # afterwards. The locked merge below then only serves the bounds of running programs.
         split = tl.program_id(0) // num_token_blocks
         tl.store(split_lse_ptr + split * num_tokens + rows, program_lse, mask=row_mask)
@@ -150,6 +154,9 @@ def lse_forward_kernel(
             num_splits = tl.cdiv(num_vocab_blocks, vocab_blocks_per_program)
             tl.store(split_lse_ptr + (num_splits + split) * num_tokens + rows, logit_sum,
                      mask=row_mask)
+            if CURVATURE_SUM:
+                tl.store(split_lse_ptr + (2 * num_splits + split) * num_tokens + rows,
+                         curvature_sum, mask=row_mask)
     lock = locks_ptr + token_block
     while tl.atomic_cas(lock, 0, 1) == 1:
         pass
@@ -159,6 +166,10 @@ def lse_forward_kernel(
     if LOGIT_SUM and not DETERMINISTIC:
         merged_sum = tl.load(logit_sum_ptr + rows, mask=row_mask, cache_modifier=".cg")
         tl.store(logit_sum_ptr + rows, merged_sum + logit_sum, mask=row_mask)
+        if CURVATURE_SUM:
+            merged_curvature = tl.load(curvature_sum_ptr + rows, mask=row_mask,
+                                       cache_modifier=".cg")
+            tl.store(curvature_sum_ptr + rows, merged_curvature + curvature_sum, mask=row_mask)
     tl.debug_barrier()  # every thread's store is issued before the lock is released
     tl.atomic_xchg(lock, 0)
 
@@ -168,6 +179,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 vocab_order: Optional[torch.Tensor],
                 target_logit: Optional[torch.Tensor] = None, *,
                 logit_sum: Optional[torch.Tensor] = None,
+                curvature_sum: Optional[torch.Tensor] = None,
                 class_weight: Optional[torch.Tensor] = None, deterministic: bool = False,
                 ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
     """float32 (N,) log-sum-exp of every row and, when ``target_logit`` (float32 (N,), from
@@ -177,7 +189,8 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
 
     ``logit_sum``: float32 (N,) zeros, when given, receives ``sum_v class_weight[v] z_iv`` of
     every row (``class_weight``: float32 (V,), None for all 1), for label smoothing
-    (:mod:`cce.weighting`).
+    (:mod:`cce.weighting`); ``curvature_sum`` likewise (with ``logit_sum`` and a softcap)
+    ``sum_v class_weight[v] tanh^2`` of the capped logits.
 
     ``deterministic``: the spin-lock merge's order varies between calls, and with it the LSE's
     last bits; instead, the returned LSE merges every program's partial LSE in a fixed order
@@ -197,24 +210,27 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
 
     lse = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=e.device)
     locks = torch.zeros(num_token_blocks, dtype=torch.int32, device=e.device)
-    split_lse = (torch.empty((2 if logit_sum is not None else 1, splits, num_tokens),
-                             dtype=torch.float32, device=e.device) if deterministic else None)
+    sums = [total for total in (logit_sum, curvature_sum) if total is not None]
+    split_lse = (torch.empty((1 + len(sums), splits, num_tokens), dtype=torch.float32,
+                             device=e.device) if deterministic else None)
     tile_bound = (torch.empty((num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab)),
                               dtype=torch.float32, device=e.device) if record else None)
     lse_forward_kernel[(num_token_blocks * splits,)](
         e, c, bias, targets, target_logit, vocab_order, lse, locks, tile_bound, split_lse,
-        class_weight, logit_sum, num_tokens, vocab_size, dim, vocab_blocks_per_program,
+        class_weight, logit_sum, curvature_sum, num_tokens, vocab_size, dim,
+        vocab_blocks_per_program,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
         SORTED=vocab_order is not None, RECORD_TILE_BOUND=record,
         LOGIT_SUM=logit_sum is not None, HAS_CLASS_WEIGHT=class_weight is not None,
-        LIVE_BLOCK_VOCAB=live_grid.block_vocab, DETERMINISTIC=deterministic,
+        CURVATURE_SUM=curvature_sum is not None, LIVE_BLOCK_VOCAB=live_grid.block_vocab,
+        DETERMINISTIC=deterministic,
         BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if deterministic:
         lse = torch.logsumexp(split_lse[0], dim=0)
-        if logit_sum is not None:
-            logit_sum += split_lse[1].sum(dim=0)
+        for index, total in enumerate(sums, 1):
+            total += split_lse[index].sum(dim=0)
     return lse, tile_bound

@@ -81,13 +81,14 @@ class RankOneUpdate(NamedTuple):
 
     @classmethod
     def for_embeddings(cls, term: RankOneTerm, c: torch.Tensor) -> "RankOneUpdate":
-        """dE's: ``u (w^T C)``."""
-        return cls(term.scale, weighted_sum(c, term.weight), None)
+        """dE's: ``u (w^T C)`` (u: :meth:`RankOneTerm.closed_form_scale`)."""
+        return cls(term.closed_form_scale(), weighted_sum(c, term.weight), None)
 
     @classmethod
     def for_classifier(cls, term: RankOneTerm, e: torch.Tensor) -> "RankOneUpdate":
         """dC's and the bias gradient's: ``w (u^T E)`` and ``w sum(u)``."""
-        return cls(term.weight, weighted_sum(e, term.scale), term.scale.sum())
+        scale = term.closed_form_scale()
+        return cls(term.weight, weighted_sum(e, scale), scale.sum())
 
 
 @triton.jit

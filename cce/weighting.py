@@ -15,6 +15,13 @@ the plain loss's softmax and target terms with other scales, plus a rank-one ter
 An implementation that does not build the logits adds that term's products in closed form:
 ``dE += u (w^T C)``, ``dC += w (u^T E)``, ``dbias += w sum(u)``.
 
+With a softcap z = cap tanh(x / cap), the gradient with respect to the pre-cap logit x is that
+times ``1 - t^2`` (t = tanh(x / cap)), and the smoothing's term ``u_i w_v (1 - t_iv^2)`` is no
+longer rank-one. The products add its rank-one part ``u_i (1 - kappa_i) w_v``, kappa_i =
+``sum_v w_v t_iv^2 / W`` the row's weighted mean of t^2 (summed by the forward), and the tiles
+hold the rest, ``-u_i w_v (t_iv^2 - kappa_i)``, which sums to 0 over each row: the tiles that
+gradient filtering skips drop only its deviation from the row's mean, not the mean itself.
+
 Every implementation gets a :class:`LossWeighting` and returns F.cross_entropy's per-token loss
 (``reduction="none"``); :mod:`cce.loss` reduces it. Those that build no logits compute the plain
 pieces (L, z_iy, m) and use :meth:`LossWeighting.token_loss` and
@@ -37,10 +44,19 @@ class GradientScales(NamedTuple):
 
 
 class RankOneTerm(NamedTuple):
-    """The gradient of the logits' rank-one term ``scale[i] * weight[v]`` (module docstring)."""
+    """The label smoothing's term of the logits' gradient, ``scale[i] * weight[v]``, with a
+    softcap times ``1 - tanh^2``: its products add ``closed_form_scale()[i] * weight[v]``, the
+    tiles hold the rest (module docstring)."""
 
     scale: Optional[torch.Tensor]  # float32 (N,): u
     weight: Optional[torch.Tensor]  # float32 (V,); None: every class weighs 1
+    curvature_mean: Optional[torch.Tensor] = None  # float32 (N,): kappa; None without softcap
+
+    def closed_form_scale(self) -> torch.Tensor:
+        """u, or with a softcap u (1 - kappa): the row factor of what the products add."""
+        if self.curvature_mean is None:
+            return self.scale
+        return self.scale * (1 - self.curvature_mean)
 
 
 class LossWeighting(NamedTuple):
@@ -82,6 +98,19 @@ class LossWeighting(NamedTuple):
         if smoothing:
             loss = loss + smoothing / vocab_size * (self.weight_sum(vocab_size) * lse - logit_sum)
         return torch.where(targets >= 0, loss, 0.0)
+
+    def rank_one_term(self, uniform: torch.Tensor, curvature_sum: Optional[torch.Tensor],
+                      vocab_size: int) -> RankOneTerm:
+        """The smoothing's term of the gradient from ``uniform`` (u, :meth:`gradient_scales`)
+        and, with a softcap, ``curvature_sum`` (each row's ``sum_v w_v t_iv^2``)."""
+        if curvature_sum is None:
+            return RankOneTerm(uniform, self.weight)
+        if self.weight is None:
+            kappa = curvature_sum / vocab_size
+        else:  # any kappa splits the term exactly: 0 where the weights sum to 0, not NaN
+            weight_sum = self.weight.sum()
+            kappa = torch.where(weight_sum != 0, curvature_sum / weight_sum, 0.0)
+        return RankOneTerm(uniform, self.weight, kappa)
 
     def gradient_scales(self, grad_loss: torch.Tensor, targets: torch.Tensor,
                         vocab_size: int) -> GradientScales:

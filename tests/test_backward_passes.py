@@ -207,15 +207,15 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
     vocab, dim = _shape(torch.bfloat16)
     e, c, targets = peaked_inputs(gen, device, N, vocab, dim)
     e, c = e.bfloat16(), c.bfloat16()
-    _, lse, order, tile_bound = loss_forward(e, c, None, targets, None, None, 2.0**-12, True,
-                                             True, 0.0, False, False, True)
+    _, lse, order, tile_bound, curvature_sum = loss_forward(
+        e, c, None, targets, None, None, 2.0**-12, True, True, 0.0, False, False, True)
     grad_loss = torch.rand(N, generator=gen).to(device)
 
     def grad_c(with_grad_e: bool) -> "tuple[torch.Tensor, int]":
         listed.clear()
         _, gradient, _ = loss_backward(e, c, None, targets, None, lse, order, tile_bound + 4.0,
-                                       grad_loss, None, None, 2.0**-12, True, 0.0, False,
-                                       needs_grad_e=with_grad_e, needs_grad_c=True)
+                                       curvature_sum, grad_loss, None, None, 2.0**-12, True, 0.0,
+                                       False, needs_grad_e=with_grad_e, needs_grad_c=True)
         return gradient, sum(int(args[11].counts.sum()) for args in listed)
 
     beside, stored_beside = grad_c(with_grad_e=True)
