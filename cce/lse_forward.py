@@ -99,10 +99,12 @@ def lse_forward_kernel(
                 class_weight = tl.load(class_weight_ptr + vocab, mask=vocab_mask, other=0.0)
             else:
                 class_weight = vocab_mask.to(tl.float32)
-            logit_sum += tl.sum(logits * class_weight[None, :], axis=1)
+            weighted = logits * class_weight[None, :]
+            logit_sum += tl.sum(weighted, axis=1)
             if CURVATURE_SUM:
-                capped = logits / softcap  # tanh of the pre-cap logit, as the backward gets it
-                curvature_sum += tl.sum(capped * capped * class_weight[None, :], axis=1)
+                # sum_v w_v z_v^2, divided by softcap^2 once per row after the loop: the tanh^2
+                # of the pre-cap logits, with no tile-sized temporary of its own.
+                curvature_sum += tl.sum(weighted * logits, axis=1)
         # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)).
         if holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
             logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
@@ -144,6 +146,8 @@ def lse_forward_kernel(
                              log_probability_bound(right_row_max, lse_lower, recorded_rows))
     safe_max = exp_shift(running_max)
     program_lse = safe_max + tl.log(running_sum)
+    if CURVATURE_SUM:
+        curvature_sum = curvature_sum / (softcap * softcap)
 
     if DETERMINISTIC:
         # The returned LSE (and sums): each program's partial, merged in a fixed order
