@@ -4,10 +4,10 @@ and ``cce::loss_backward`` (Alg. 3).
 Both are registered with ``torch.library``, with fake implementations (FakeTensor, meta tensors,
 torch.compile), and the forward with its autograd formula, which calls the backward op: so
 torch.compile sees one opaque op per pass instead of tracing into the kernels' launch code
-(which, in Triton's CPU interpreter, it cannot). Custom ops take and return tensors only: an
-absent output (the vocabulary order without sorting, the tile bounds without a filtering
-backward, the curvature sum without a softcap and smoothing, a gradient nobody needs) is an
-empty tensor. The gradients are differentiable once: differentiating them raises
+(which, in Triton's CPU interpreter, it cannot). Custom ops take and return tensors only: an absent
+output (the vocabulary order without sorting, the tile bounds without a filtering backward, the
+curvature sum without a softcap, smoothing and a backward, a gradient nobody needs) is an empty
+tensor. The gradients are differentiable once: differentiating them raises
 (:func:`_differentiable_once`).
 """
 
@@ -98,6 +98,12 @@ def _records_bounds(filter_eps: Optional[float], needs_grad: bool) -> bool:
     return needs_grad and filter_eps is not None
 
 
+def _sums_curvature(softcap: Optional[float], label_smoothing: float, needs_grad: bool) -> bool:
+    """Whether the forward sums each row's tanh^2: only the backward's split of the smoothing's
+    term under a softcap needs it (:meth:`cce.weighting.LossWeighting.rank_one_term`)."""
+    return bool(label_smoothing) and softcap is not None and needs_grad
+
+
 @torch.library.custom_op("cce::loss_forward", mutates_args=())
 def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  targets: torch.Tensor, weight: Optional[torch.Tensor], softcap: Optional[float],
@@ -106,10 +112,10 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  needs_grad: bool,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-token loss, lse, vocabulary order, tile bounds, curvature sum): float32 (N,), float32
-    (N,), int32 (V,) or empty, float32 live-grid table or empty, float32 (N,) with a softcap and
-    label smoothing (:meth:`cce.weighting.LossWeighting.rank_one_term`) or empty. Targets are
-    canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and ``label_smoothing`` as in
-    :mod:`cce.weighting`.
+    (N,), int32 (V,) or empty, float32 live-grid table or empty, float32 (N,) with a softcap,
+    label smoothing and ``needs_grad`` (:meth:`cce.weighting.LossWeighting.rank_one_term`) or
+    empty. Targets are canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and
+    ``label_smoothing`` as in :mod:`cce.weighting`.
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
     ``filter_correction`` and ``keep_tiles`` are the backward's (see :func:`loss_backward`);
     ``deterministic``: see :func:`cce.lse_forward.lse_forward`."""
@@ -117,7 +123,7 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     logit_sum = (torch.zeros(targets.shape, dtype=torch.float32, device=e.device)
                  if label_smoothing else None)
     curvature_sum = (torch.zeros_like(logit_sum)
-                     if label_smoothing and softcap is not None else None)
+                     if _sums_curvature(softcap, label_smoothing, needs_grad) else None)
     order, target_logit, lse, tile_bound = forward_kernels(
         e, c, bias, targets, softcap, _records_bounds(filter_eps, needs_grad), vocab_sorting,
         logit_sum=logit_sum, curvature_sum=curvature_sum, class_weight=weight,
@@ -148,8 +154,8 @@ def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_s
             e.new_empty(vocab_size if records_bounds and vocab_sorting else 0,
                         dtype=torch.int32),
             e.new_empty(bound_shape, dtype=torch.float32),
-            e.new_empty(num_tokens if label_smoothing and softcap is not None else 0,
-                        dtype=torch.float32))
+            e.new_empty(num_tokens if _sums_curvature(softcap, label_smoothing, needs_grad)
+                        else 0, dtype=torch.float32))
 
 
 @torch.library.custom_op("cce::loss_backward", mutates_args=())

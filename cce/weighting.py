@@ -105,11 +105,10 @@ class LossWeighting(NamedTuple):
         and, with a softcap, ``curvature_sum`` (each row's ``sum_v w_v t_iv^2``)."""
         if curvature_sum is None:
             return RankOneTerm(uniform, self.weight)
-        if self.weight is None:
-            kappa = curvature_sum / vocab_size
-        else:  # any kappa splits the term exactly: 0 where the weights sum to 0, not NaN
-            weight_sum = self.weight.sum()
-            kappa = torch.where(weight_sum != 0, curvature_sum / weight_sum, 0.0)
+        # Any kappa splits the term exactly: 0 where the weights sum to 0, not NaN.
+        weight_sum = self.weight_sum(vocab_size)
+        kappa = (curvature_sum / weight_sum if self.weight is None
+                 else torch.where(weight_sum != 0, curvature_sum / weight_sum, 0.0))
         return RankOneTerm(uniform, self.weight, kappa)
 
     def gradient_scales(self, grad_loss: torch.Tensor, targets: torch.Tensor,
