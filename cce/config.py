@@ -37,6 +37,7 @@ class KernelConfigs:
     lse_forward: KernelConfig
     live_grid: KernelConfig  # tiles of the live-tile table (block_tokens x block_vocab)
     gradient_tiles: KernelConfig  # block_dim, warps and stages; the tiles are the live grid's
+    softcap_listed_gradient_tiles: KernelConfig  # pass 2's recompute (tiles by list), softcap
     sparse_tile_matmul: KernelConfig  # block_out, warps and stages; rows are the live grid's
 
     def __post_init__(self):
@@ -51,6 +52,7 @@ _INTERPRETER = KernelConfigs(
     lse_forward=KernelConfig(block_tokens=32, block_vocab=256, block_dim=32),
     live_grid=KernelConfig(block_tokens=32, block_vocab=128),
     gradient_tiles=KernelConfig(block_dim=32),
+    softcap_listed_gradient_tiles=KernelConfig(block_dim=32),
     sparse_tile_matmul=KernelConfig(block_out=64),
 )
 _GPU_16BIT = KernelConfigs(
@@ -63,6 +65,10 @@ _GPU_16BIT = KernelConfigs(
     # because two programs then share an SM and one's exp-filter-store overlaps the other's
     # products.
     gradient_tiles=KernelConfig(block_dim=64, num_warps=4, num_stages=3),
+    # With a softcap, 4 warps spill 240-300 registers in pass 2's recompute and 8 spill none:
+    # 10.4 -> 8.4 ms at the 2B shape; without one 8 warps are 11-35% slower (H100,
+    # docs/notes/backward.md).
+    softcap_listed_gradient_tiles=KernelConfig(block_dim=64, num_warps=8, num_stages=3),
     # 256 output columns, 2 stages: 14-20% faster than 128 columns with 3 or 4 stages
     # (docs/notes/backward.md).
     sparse_tile_matmul=KernelConfig(block_out=256, num_warps=8, num_stages=2),
@@ -72,6 +78,7 @@ _GPU_32BIT = KernelConfigs(
     lse_forward=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32),
     live_grid=KernelConfig(block_tokens=64, block_vocab=64),
     gradient_tiles=KernelConfig(block_dim=32),
+    softcap_listed_gradient_tiles=KernelConfig(block_dim=32),
     sparse_tile_matmul=KernelConfig(block_out=64),
 )
 

@@ -162,8 +162,12 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
             rank_one: Optional[RankOneTerm] = None) -> None:
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
-    grid, config = configs.live_grid, configs.gradient_tiles
     listed = tile_lists is not None
+    grid = configs.live_grid
+    if listed and softcap is not None:
+        config = configs.softcap_listed_gradient_tiles
+    else:
+        config = configs.gradient_tiles
     # Pass 1: one program per tile of the chunk; pass 2: one per entry of each block's list.
     programs = len(vocab_blocks) * (longest_list if listed else len(token_blocks))
     if programs == 0:
