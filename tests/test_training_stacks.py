@@ -99,6 +99,9 @@ def test_fake_tensors_give_shapes_and_dtypes(dtype: torch.dtype, device: str) ->
     assert shapes == _expected_shapes_and_dtypes(dtype)
 
 
+TOLERANCES = {"rtol": 1e-4, "atol": 1e-6}
+
+
 @pytest.mark.parametrize("filter_eps, softcap, smoothing",
                          [(2.0**-12, None, 0.0), (None, None, 0.0), (2.0**-12, 30.0, 0.1)],
                          ids=["filter", "nofilter", "softcap_smoothing"])
@@ -106,19 +109,21 @@ def test_ops_pass_torch_library_opcheck(filter_eps, softcap, smoothing, device: 
                                         gen: torch.Generator) -> None:
     """torch.library.opcheck: schemas, fake implementations against the real ones, autograd
     registration, and tracing by AOTAutograd, for both ops (with a softcap and smoothing, the
-    forward's curvature sum too)."""
+    forward's curvature sum too). Eager and traced gradients are compared at 1e-4: the locked
+    LSE merge and the pass plans (the traced one is sync-free) may change their last bits, a
+    wrong registration changes them entirely."""
     inputs = make_inputs(gen, device, torch.float32, bias=True, ignored_fraction=0.2)
     targets = torch.where(inputs.targets >= 0, inputs.targets, -1)
     e, c, bias = _leaves(inputs.e, inputs.c, inputs.bias)
     forward_args = (e, c, bias, targets, None, softcap, filter_eps, True, True, smoothing, False,
                     False, True)
-    torch.library.opcheck(loss_forward, forward_args)
+    torch.library.opcheck(loss_forward, forward_args, **TOLERANCES)
     _, lse, order, tile_bound, curvature_sum = loss_forward(*forward_args)
     grad_loss = make_grad_output(gen, inputs, "none")
     backward_args = (inputs.e, inputs.c, inputs.bias, targets, None, lse.detach(), order,
                      tile_bound, curvature_sum, grad_loss, torch.zeros_like(grad_loss), softcap,
                      filter_eps, True, smoothing, False, True, True)
-    torch.library.opcheck(loss_backward, backward_args)
+    torch.library.opcheck(loss_backward, backward_args, **TOLERANCES)
 
 
 # --- torch.func --------------------------------------------------------------------------------
