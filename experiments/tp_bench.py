@@ -23,13 +23,16 @@ warm-up calls, median of R), each rank's peak memory above its inputs, and how f
 methods' results are apart. A row whose estimated memory exceeds what a rank has free is
 skipped (every rank decides alike). Before the timings, the agreement check: every rank's
 vocabulary-parallel results (loss, lse, dE, its rows of dC) against the unsharded call on the
-full classifier, bfloat16 with the default filter and float32 without.
+full classifier, bfloat16 with the default filter and float32 without, a quarter of the targets
+ignored.
 
 Devices: rank r uses GPU ``LOCAL_RANK % device_count``, so with one GPU every rank shares GPU 0
 (use ``--backend gloo``, the default then: NCCL refuses two ranks on one GPU; the timings then
 share the GPU and say nothing about TP speed). Without a GPU it runs on the CPU over gloo
 (``--quick``: tiny sizes, the kernels in Triton's interpreter). Rank 0 writes
-``tp_bench_tp<K>.json`` and ``.md`` (device, versions, date) under ``--out``.
+``tp_bench_tp<K>.json`` and ``.md`` (device, versions, date) under ``--out``, and redraws
+``tp_bench.png`` there from every ``tp_bench_tp*.json`` it holds: runs at several K into one
+folder give one figure of time and memory against N.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import os
 import statistics
 import sys
@@ -59,8 +63,11 @@ DTYPE = torch.bfloat16
 TOKENS = (8192, 16384, 32768, 65536)
 QUICK_TOKENS = (48, 96)
 METHODS = ("cce", "loss_parallel")
-# The agreement check runs on the first tokens of the smallest timed N, this many at most.
+# The agreement check runs on the first tokens of the smallest timed N, this many at most, with
+# this fraction of them ignored (target -100).
 CHECK_TOKENS = 4096
+CHECK_IGNORED = 0.25
+FIGURE = "tp_bench.png"
 
 
 @dataclass(frozen=True)
@@ -159,7 +166,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     _write(ranks, rows, checks, args.out, warmup, repeats)
             del e, c_local, targets
         if ranks.rank == 0:
-            print(f"wrote {args.out}/tp_bench_tp{ranks.world_size}.json and .md", file=sys.stderr)
+            plot(args.out)
+            print(f"wrote {args.out}/tp_bench_tp{ranks.world_size}.json and .md, {FIGURE}",
+                  file=sys.stderr)
     finally:
         dist.destroy_process_group()
     return 0
@@ -249,6 +258,7 @@ def _memory_budget(ranks: Ranks) -> float:
     the ranks on it, with a margin."""
     if ranks.device.type != "cuda":
         return float("inf")
+    torch.cuda.empty_cache()  # what the allocator caches from earlier rows is free too
     free = torch.cuda.mem_get_info(ranks.device)[0] * 0.9 / ranks.ranks_per_gpu
     return min(ranks.gather(free))
 
@@ -328,14 +338,17 @@ def _agreement(ranks: Ranks, shape: Shape, e: torch.Tensor, c_local: torch.Tenso
     the rank's rows of dC."""
     full_c = _gather_rows(ranks, c_local.detach(), shape.vocab_size)
     start, stop = ranks.shard(shape.vocab_size)
+    ignored = torch.rand(num_tokens, generator=torch.Generator().manual_seed(1)) < CHECK_IGNORED
+    targets = torch.where(ignored.to(targets.device), -100, targets[:num_tokens])
     rows = []
     for dtype, filter_eps in ((DTYPE, "auto"), (torch.float32, None)):
-        inputs = (e[:num_tokens].detach().to(dtype), full_c.to(dtype), targets[:num_tokens])
+        inputs = (e[:num_tokens].detach().to(dtype), full_c.to(dtype), targets)
         sharded = _loss_lse_grads(*inputs, filter_eps, start, stop)
         unsharded = _loss_lse_grads(*inputs, filter_eps)
         unsharded[-1] = unsharded[-1][start:stop]
         row = {"shape": shape.description, "tokens": num_tokens,
-               "dtype": str(dtype).removeprefix("torch."), "filter_eps": filter_eps}
+               "ignored": int(ignored.sum()), "dtype": str(dtype).removeprefix("torch."),
+               "filter_eps": filter_eps}
         for name, value, expected in zip(("loss", "lse", "de", "dc"), sharded, unsharded):
             row[name] = max(ranks.gather(_relative_difference(value, expected)))
         rows.append(row)
@@ -403,6 +416,59 @@ def _write(ranks: Ranks, rows: list[dict[str, Any]], checks: list[dict[str, Any]
             "Largest relative difference over the ranks between the vocabulary-parallel call "
             "and the unsharded call on the full classifier (dc: the rank's rows).", "",
             *markdown_table(checks)])
+
+
+def plot(out_dir: Path) -> None:
+    """``tp_bench.png``: time and peak memory per rank against N, one panel per shape, a line
+    per method and tensor-parallel size, from every ``tp_bench_tp*.json`` in ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: the figure only goes to a file
+    import matplotlib.pyplot as plt
+
+    runs = sorted((json.loads(path.read_text()) for path in out_dir.glob("tp_bench_tp*.json")),
+                  key=lambda run: run["meta"]["tp_size"])
+    shapes = list(dict.fromkeys(row["shape"] for run in runs for row in run["rows"]))
+    if not shapes:
+        return
+    figure, axes = plt.subplots(2, len(shapes), figsize=(6.5 * len(shapes), 8.5), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, run in enumerate(runs):
+        color = colors[index % len(colors)]  # one color per tensor-parallel size
+        size = run["meta"]["tp_size"]
+        shared = " (ranks share a GPU)" if run["meta"].get("shared_gpu") else ""
+        for method, style in (("cce", "-"), ("loss_parallel", "--")):
+            for column, shape in enumerate(shapes):
+                rows = [row for row in run["rows"] if row["shape"] == shape
+                        and row["method"] == method and "ms" in row]
+                if not rows:
+                    continue
+                tokens = [row["tokens"] for row in rows]
+                label = f"{method}, TP {size}{shared}"
+                marker = "o" if method == "cce" else "s"
+                axes[0, column].plot(tokens, [row["ms"] for row in rows], style, marker=marker,
+                                     color=color, label=label)
+                if all("peak_mib_max" in row for row in rows):
+                    axes[1, column].plot(tokens, [row["peak_mib_max"] / 1024 for row in rows],
+                                         style, marker=marker, color=color, label=label)
+    for column, shape in enumerate(shapes):
+        axes[0, column].set_title(f"{shape}: loss + gradients, slowest rank")
+        axes[0, column].set_ylabel("ms (median)")
+        axes[1, column].set_title(f"{shape}: peak memory of the busiest rank")
+        axes[1, column].set_ylabel("GiB above the inputs")
+        for axis in axes[:, column]:
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            axis.set_xlabel("tokens N")
+            axis.grid(True, which="both", alpha=0.3)
+            if axis.lines:
+                axis.legend(fontsize=8)
+    environment = runs[-1]["environment"]
+    figure.suptitle(f"Vocabulary-parallel cce vs loss_parallel, bfloat16 "
+                    f"({environment.get('device', '?')}, {str(environment.get('date', ''))[:10]})")
+    figure.tight_layout()
+    figure.savefig(out_dir / FIGURE, dpi=110)
+    plt.close(figure)
 
 
 if __name__ == "__main__":
