@@ -1,4 +1,5 @@
-"""Running a test's worker in several processes joined in a gloo group, with a time limit.
+"""Running a test's worker in several processes joined in a gloo group, or a module under
+torchrun, with a time limit.
 
 A worker that raises fails the test with its traceback; workers that are not all done in time
 (a collective that some rank never reaches) are killed and fail it too, so a hang cannot block
@@ -8,9 +9,13 @@ the test run.
 from __future__ import annotations
 
 import datetime
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -19,6 +24,7 @@ import torch.multiprocessing as mp
 
 # A collective that waits longer than this raises in the ranks that wait.
 COLLECTIVE_TIMEOUT_S = 120
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_ranks(worker: Callable[..., None], world_size: int, tmp_path: Path, *args: Any,
@@ -62,3 +68,24 @@ def _rank_main(rank: int, world_size: int, init_method: str, worker: Callable[..
         worker(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+
+
+def run_torchrun(module: str, arguments: list[str], nproc: int, timeout_s: float,
+                 env: Optional[dict[str, str]] = None) -> str:
+    """``torchrun --standalone --nproc-per-node nproc -m module *arguments`` from the repository
+    root, with ``env`` added to the environment; fails the test when it exits with an error or
+    is not done in time. Returns its output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), "-m", module, *arguments]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    # A session of its own: on a timeout, torchrun's workers are killed with it.
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail(f"{module} was not done after {timeout_s} s: killed")
+    assert process.returncode == 0, output[-4000:]
+    return output

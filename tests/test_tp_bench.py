@@ -7,33 +7,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from tests.distributed import run_torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 600
 
 
 def test_two_ranks_at_quick_size_write_agreeing_results(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "-m", "experiments.tp_bench", "--quick",
-               "--backend", "gloo", "--out", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    # A session of its own: on a timeout, torchrun's workers are killed with it.
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        pytest.fail(f"tp_bench was not done after {TIMEOUT_S} s: killed")
-    assert process.returncode == 0, output[-4000:]
+    run_torchrun("experiments.tp_bench", ["--quick", "--backend", "gloo", "--out", str(tmp_path)],
+                 nproc=2, timeout_s=TIMEOUT_S)
 
     results = json.loads((tmp_path / "tp_bench_tp2.json").read_text())
     assert results["meta"]["tp_size"] == 2 and results["meta"]["backend"] == "gloo"
