@@ -1,4 +1,5 @@
-"""Test configuration: device selection, the Triton interpreter on CPU, reproducible seeds.
+"""Test configuration: device selection, the Triton interpreter on CPU, reproducible seeds, and
+parallel workers on CPU-only machines.
 
 The same tests run unchanged on a CUDA machine (kernels compiled for the GPU) and on a CPU-only
 machine, where the Triton kernels run in Triton's interpreter. ``TRITON_INTERPRET`` must be set
@@ -18,6 +19,24 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 DEVICE: str = "cuda" if torch.cuda.is_available() else "cpu"
+# Workers for a CPU-only run when the command line names none: the interpreter runs one core.
+MAX_CPU_WORKERS = 4
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Without a GPU, run the tests on every core (at most ``MAX_CPU_WORKERS``) through
+    pytest-xdist, when it is installed and the command line chose no ``-n``: the interpreter
+    keeps a single core busy. (On a GPU machine, ``-n`` is for the caller to choose.) This runs
+    before xdist's own configure hook, which starts the workers."""
+    if (DEVICE == "cuda" or not config.pluginmanager.has_plugin("xdist")
+            or hasattr(config, "workerinput") or config.getoption("numprocesses") is not None
+            or config.getoption("dist") != "no" or config.getoption("collectonly")):
+        return
+    workers = min(os.cpu_count() or 1, MAX_CPU_WORKERS)
+    if workers > 1:
+        config.option.numprocesses = workers
+        config.option.dist = "load"
+        config.option.tx = ["popen"] * workers
 
 
 @pytest.fixture
