@@ -265,9 +265,8 @@ def _embeddings(n_tokens: int, vocab_size: int, dim: int, parameters: LMLikePara
     rank = torch.arange(1, vocab_size + 1, device=device).float()
     noise = torch.randn(vocab_size, generator=generator, device=device)
     token_of_rank = torch.argsort(rank.log() + parameters.id_shuffle * noise)
-    candidates = torch.multinomial(rank.pow(-parameters.candidate_exponent),
-                                   n_tokens * parameters.candidates, replacement=True,
-                                   generator=generator).view(n_tokens, parameters.candidates)
+    candidates = _draw(rank.pow(-parameters.candidate_exponent),
+                       (n_tokens, parameters.candidates), generator)
     strength = torch.rand(n_tokens, parameters.candidates, generator=generator, device=device)
     scale = math.sqrt(parameters.candidate_boost)
     e = parameters.zipf_exponent * u.expand(n_tokens, dim).clone()
@@ -281,14 +280,30 @@ def _embeddings(n_tokens: int, vocab_size: int, dim: int, parameters: LMLikePara
     return e, c
 
 
+def _draw(weights: torch.Tensor, shape: tuple[int, ...],
+          generator: torch.Generator) -> torch.Tensor:
+    """Indices drawn with replacement with probability proportional to ``weights`` (1-D), by
+    inverting the cumulative distribution, which is summed on the CPU: the same draws on every
+    call for one generator state (torch.multinomial on a GPU can differ)."""
+    cumulative = torch.cumsum(weights.double().cpu(), dim=0)
+    cumulative = (cumulative / cumulative[-1]).to(weights.device)
+    uniform = torch.rand(shape, generator=generator, device=weights.device, dtype=torch.float64)
+    return torch.searchsorted(cumulative, uniform).clamp_(max=len(weights) - 1)
+
+
 def _sample_targets(e: torch.Tensor, c: torch.Tensor, generator: torch.Generator,
                     chunk_bytes: int = 2**30) -> torch.Tensor:
     """One token per row drawn from softmax(e @ c.T), ``chunk_bytes`` of logits at a time."""
     chunk_rows = max(1, chunk_bytes // (4 * c.shape[0]))
     c32 = c.float()
-    samples = [torch.multinomial(torch.softmax(e_chunk.float() @ c32.T, dim=1), 1,
-                                 generator=generator).squeeze(1)
-               for e_chunk in e.split(chunk_rows)]
+    # Gumbel-max: the argmax of log-probabilities plus Gumbel noise is a sample of the softmax.
+    # Unlike torch.multinomial on a GPU, which can draw differently from the same generator
+    # state, it gives the same targets on every call.
+    samples = []
+    for e_chunk in e.split(chunk_rows):
+        logits = e_chunk.float() @ c32.T
+        uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
+        samples.append(torch.argmax(logits - torch.log(-torch.log(uniform)), dim=1))
     return torch.cat(samples) if samples else torch.zeros(0, dtype=torch.long, device=e.device)
 
 

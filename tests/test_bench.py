@@ -93,16 +93,17 @@ def test_sparsity_statistics_match_brute_force() -> None:
     assert 0.5 < statistics["mass_above_eps"] < 1
 
 
-def test_lm_like_inputs_are_reproducible_and_well_formed() -> None:
+def test_lm_like_inputs_are_reproducible_and_well_formed(device: str) -> None:
+    """The same seed gives the same tensors, also on a GPU (whose torch.multinomial may not)."""
     from experiments.synthetic import lm_like_inputs
 
-    e, c, targets = lm_like_inputs(64, 500, 16, seed=1, device="cpu")
-    e2, c2, targets2 = lm_like_inputs(64, 500, 16, seed=1, device="cpu")
+    e, c, targets = lm_like_inputs(512, 4000, 16, seed=1, device=device)
+    e2, c2, targets2 = lm_like_inputs(512, 4000, 16, seed=1, device=device)
 
-    assert e.shape == (64, 16) and c.shape == (500, 16) and targets.shape == (64,)
+    assert e.shape == (512, 16) and c.shape == (4000, 16) and targets.shape == (512,)
     assert e.dtype == c.dtype == torch.bfloat16 and e.requires_grad and c.requires_grad
     assert torch.equal(e, e2) and torch.equal(c, c2) and torch.equal(targets, targets2)
-    assert int(targets.min()) >= 0 and int(targets.max()) < 500
+    assert int(targets.min()) >= 0 and int(targets.max()) < 4000
 
 
 def test_calibrate_recovers_statistics_it_can_reach() -> None:
