@@ -52,7 +52,7 @@ from experiments.alpaca_data import IGNORE_INDEX, add_data_argument, load_alpaca
 from experiments.alpaca_finetune import (MAX_GRAD_NORM, REAL_MODEL, SETUPS, TINY_MODEL,
                                          WARMUP_RATIO, load, trainable_examples,
                                          training_batches)
-from experiments.harness import log, write_results
+from experiments.harness import log, progress, write_results
 
 NAME = "fsdp_finetune"
 FIGURE = "fsdp_finetune.png"
@@ -117,10 +117,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         gathered: list[Optional[list[RunResult]]] = [None] * world_size
         dist.all_gather_object(gathered, runs)
         if rank == 0:
-            # The sharded runs appear once, from rank 0: their values are the same on every rank.
-            everything = [run for ranks_runs in gathered for run in ranks_runs or []
-                          if run.mode == "single" or ranks_runs is gathered[0]]
-            report(everything, args.out, model_name, steps, seeds, args.repeats, world_size,
+            single = [run for ranks_runs in gathered for run in ranks_runs or []
+                      if run.mode == "single"]
+            sharded = [run for run in runs if run.mode == "fsdp"]  # the same on every rank
+            report(single + sharded, args.out, model_name, steps, seeds, args.repeats, world_size,
                    len(examples), device)
             log(f"wrote {args.out}/{NAME}.json, .md and {FIGURE}")
     finally:
@@ -176,7 +176,9 @@ def train(initial_model: Any, batches: Sequence[dict[str, torch.Tensor]], seed: 
         torch.cuda.reset_peak_memory_stats(device)
     losses, grad_norms, step_ms = [], [], []
     mode = "fsdp" if sharded else "single"
-    for step, batch in enumerate(batches):
+    steps = batches if dist.get_rank() else progress(batches, f"{mode}, seed {seed}",
+                                                       leave=False)
+    for batch in steps:
         # The loss counts labels[:, 1:] (the model shifts them); every rank divides its sum by
         # the whole batch's count over the number of ranks, whose mean FSDP2 takes.
         tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
@@ -196,8 +198,6 @@ def train(initial_model: Any, batches: Sequence[dict[str, torch.Tensor]], seed: 
             loss /= shards
         losses.append(loss.item())
         grad_norms.append(_full(grad_norm).item())
-        if step == 0 and dist.get_rank() == 0:
-            log(f"{mode}, seed {seed}, repeat {repeat}: first loss {losses[0]:.4f}")
     peaks = None
     if on_gpu:
         peak = torch.cuda.max_memory_allocated(device) / 2**20
