@@ -224,7 +224,7 @@ def train(initial_model: PreTrainedModel, batches: Sequence[dict[str, torch.Tens
     losses, grad_norms, step_ms = [], [], []
     for batch in progress(batches, f"{implementation}, seed {seed}", leave=False):
         batch = {name: tensor.to(DEVICE) for name, tensor in batch.items()}
-        start_s = _synchronized_clock()
+        start_s = synchronized_clock()
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             loss = model(**batch).loss
         loss.backward()
@@ -232,14 +232,14 @@ def train(initial_model: PreTrainedModel, batches: Sequence[dict[str, torch.Tens
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        step_ms.append((_synchronized_clock() - start_s) * 1e3)
+        step_ms.append((synchronized_clock() - start_s) * 1e3)
         losses.append(loss.item())
         grad_norms.append(grad_norm.item())
     peak_memory_mb = torch.cuda.max_memory_allocated() / 2**20 if ON_GPU else None
     return RunResult(implementation, seed, losses, grad_norms, step_ms, peak_memory_mb)
 
 
-def _synchronized_clock() -> float:
+def synchronized_clock() -> float:
     """``perf_counter`` once the device has finished its queued work, so that a step's time
     covers its kernels."""
     if ON_GPU:

@@ -39,7 +39,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -49,9 +48,9 @@ import torch.distributed as dist
 
 from cce.integrations.transformers import patch
 from experiments.alpaca_data import IGNORE_INDEX, add_data_argument, load_alpaca
-from experiments.alpaca_finetune import (MAX_GRAD_NORM, REAL_MODEL, SETUPS, TINY_MODEL,
-                                         WARMUP_RATIO, load, trainable_examples,
-                                         training_batches)
+from experiments.alpaca_finetune import (FINAL_STEPS, MAX_GRAD_NORM, REAL_MODEL, SETUPS,
+                                         TINY_MODEL, WARMUP_RATIO, load, synchronized_clock,
+                                         trainable_examples, training_batches)
 from experiments.harness import log, progress, write_results
 
 NAME = "fsdp_finetune"
@@ -183,7 +182,7 @@ def train(initial_model: Any, batches: Sequence[dict[str, torch.Tensor]], seed: 
         # the whole batch's count over the number of ranks, whose mean FSDP2 takes.
         tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
         part = {name: tensor.chunk(shards)[shard].to(device) for name, tensor in batch.items()}
-        start_s = _synchronized_clock(device)
+        start_s = synchronized_clock()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(**part, num_items_in_batch=tokens / shards).loss
         loss.backward()
@@ -191,7 +190,7 @@ def train(initial_model: Any, batches: Sequence[dict[str, torch.Tensor]], seed: 
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        step_ms.append((_synchronized_clock(device) - start_s) * 1e3)
+        step_ms.append((synchronized_clock() - start_s) * 1e3)
         loss = loss.detach()
         if sharded:
             dist.all_reduce(loss)
@@ -235,12 +234,6 @@ def _all_ranks(value: float, device: torch.device) -> list[float]:
     return table.tolist()
 
 
-def _synchronized_clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def report(runs: list[RunResult], out_dir: Path, model_name: str, steps: int, seeds: int,
            repeats: int, world_size: int, num_examples: int, device: torch.device) -> None:
     """Rows per mode, the spread and the FSDP difference, the figure."""
@@ -252,7 +245,7 @@ def report(runs: list[RunResult], out_dir: Path, model_name: str, steps: int, se
         # Paired by seed, against the first single-GPU run; that run itself is left out.
         differences = [torch.tensor(run.losses, dtype=torch.float64) - reference[run.seed]
                        for run in chosen if not (mode == "single" and run.repeat == 0)]
-        finals = torch.tensor([statistics.fmean(run.losses[-10:]) for run in chosen])
+        finals = torch.tensor([statistics.fmean(run.losses[-FINAL_STEPS:]) for run in chosen])
         peaks = [peak for run in chosen for peak in run.peak_memory_mib or []]
         rows.append({
             "mode": mode,
@@ -281,7 +274,7 @@ def report(runs: list[RunResult], out_dir: Path, model_name: str, steps: int, se
                     f"{MAX_GRAD_NORM}; float32 weights, bfloat16 autocast",
         "seeds": f"0..{seeds - 1}; single-GPU repeats per seed: {world_size * repeats} "
                  f"({repeats} per rank, on every rank's own GPU)",
-        "columns": "final_loss: mean of the last 10 steps, mean over runs; "
+        "columns": f"final_loss: mean of the last {FINAL_STEPS} steps, mean over runs; "
                    "max/mean_abs_diff_vs_single_run_0: |loss - the first single-GPU run's loss| "
                    "over steps and seeds, paired by seed (for single: the other repeats, i.e. "
                    "the run-to-run spread); peak_memory_mib_per_gpu: largest "
