@@ -274,10 +274,11 @@ REFERENCE_CHUNK_BYTES = 2**30
 
 
 def float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                      chunk_bytes: int = REFERENCE_CHUNK_BYTES, label_smoothing: float = 0.0
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      chunk_bytes: int = REFERENCE_CHUNK_BYTES, label_smoothing: float = 0.0,
+                      classifier_gradient: bool = True) -> tuple[torch.Tensor, ...]:
     """Float64 ``(loss, dE, dC)`` of the mean cross-entropy of ``e @ c.T`` (ignore_index -100),
-    with F.cross_entropy's ``label_smoothing``.
+    with F.cross_entropy's ``label_smoothing``; ``(loss, dE)`` without ``classifier_gradient``
+    (a frozen classifier, whose dC nobody needs: it saves a float64 dC and a GEMM per chunk).
 
     The full float64 logits (17 GB for 8192 x 262144) never exist: the tokens go through in
     chunks of ``chunk_bytes`` of logits, each chunk's softmax gradient turned into its rows of
@@ -289,7 +290,7 @@ def float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     valid = targets >= 0
     n_valid = valid.sum()
     grad_e = torch.zeros_like(e64)
-    grad_c = torch.zeros_like(c64)
+    grad_c = torch.zeros_like(c64) if classifier_gradient else None
     loss_sum = torch.zeros((), dtype=torch.float64, device=e.device)
     chunk_rows = max(1, chunk_bytes // (8 * c.shape[0]))
     for start in range(0, e.shape[0], chunk_rows):
@@ -313,21 +314,25 @@ def float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
             grad_logits -= label_smoothing / c.shape[0]
         grad_logits *= (chunk_valid.double() / n_valid)[:, None]
         grad_e[rows] = grad_logits @ c64
-        grad_c.addmm_(grad_logits.T, e64[rows])
+        if grad_c is not None:
+            grad_c.addmm_(grad_logits.T, e64[rows])
         del logits, grad_logits
-    return loss_sum / n_valid, grad_e, grad_c
+    loss = loss_sum / n_valid
+    return (loss, grad_e) if grad_c is None else (loss, grad_e, grad_c)
 
 
 def measure_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
                  e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                 reference: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 reference: Optional[tuple[torch.Tensor, ...]],
                  timing: Optional[dict[str, int]] = None) -> dict[str, Any]:
     """Accuracy, times and peak memory of one loss ``loss_fn(e, c, targets)``.
 
-    Returns loss/dE/dC relative errors against ``reference`` (loss, dE, dC in float64; left out
-    when ``reference`` is None), the median times of forward, backward alone and
-    forward+backward (``timing`` is passed to :func:`time_fn`), and the peak memory of the
-    forward under torch.no_grad (``fwd_peak_mb``), of the forward with gradients enabled
+    The backward computes the gradients of the inputs that require one: dE alone when ``c``
+    does not (a frozen classifier, as with LoRA). Returns loss/dE/dC relative errors against
+    ``reference`` (:func:`float64_reference`'s float64 loss, dE and dC; left out when
+    ``reference`` is None, dC's when there is no dC), the median times of forward, backward
+    alone and forward+backward (``timing`` is passed to :func:`time_fn`), and the peak memory
+    of the forward under torch.no_grad (``fwd_peak_mb``), of the forward with gradients enabled
     (``fwd_grad_peak_mb``: a training step's forward, the state saved for the backward
     included), of the backward alone above what is in use after the forward
     (``bwd_peak_mb``), and of forward+backward. An exception becomes an ``"error"`` entry,
@@ -342,9 +347,11 @@ def measure_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], t
         with torch.no_grad():
             return loss_fn(e, c, targets)
 
+    differentiated = (e, c) if c.requires_grad else (e,)
+
     # autograd.grad rather than .backward(): gradients do not pile up in e.grad and c.grad.
     def backward(loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad(loss, (e, c))
+        return torch.autograd.grad(loss, differentiated)
 
     def forward_backward() -> tuple[torch.Tensor, ...]:
         return backward(forward())
@@ -353,12 +360,13 @@ def measure_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], t
     try:
         # First call: accuracy, and compilation out of the way before any timing.
         loss = forward()
-        de, dc = backward(loss)
+        gradients = backward(loss)
         if reference is not None:
+            # zip stops after dE when the classifier is frozen.
             for column, result, expected in zip(("loss_rel_err", "de_rel_err", "dc_rel_err"),
-                                                (loss, de, dc), reference):
+                                                (loss, *gradients), reference):
                 row[column] = relative_error(result, expected)
-        del loss, de, dc  # so that they do not sit in memory during the measurements
+        del loss, gradients  # so that they do not sit in memory during the measurements
         row["fwd_ms"] = time_fn(forward, **timing)
         row["bwd_ms"] = time_fn(backward, setup=forward, **timing)
         row["fwd_bwd_ms"] = time_fn(forward_backward, **timing)

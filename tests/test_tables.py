@@ -58,7 +58,8 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         results = {}
         for name, experiment in (("bench", bench), ("table1", table1), ("table_a2", table_a2),
                                  ("table_a1", table_a1)):
-            options = {"methods": ["torch"]} if experiment is bench else {}
+            # The benchmark's shape that the tables share, with one method.
+            options = {"shapes": ["quick"], "methods": ["torch"]} if experiment is bench else {}
             before = calls
             written = experiment.run(quick=True, out_dir=out_dir, **options)
             measurements[name] = calls - before
