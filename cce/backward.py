@@ -17,6 +17,15 @@ block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
    graph capture, torch.compile, ``torch.cuda.set_sync_debug_mode``), the chunks are sized for
    every tile being stored instead: no sync, narrower chunks.
 
+**One pass** instead, when both gradients are needed, the host may wait, and every live tile
+fits in dC's memory (few tokens, or a classifier wide for its vocabulary: about kept tiles <= D
+/ N): each live tile is recomputed once into a slot in dC's last rows, in position order, the dE
+product reads every slot, then dC is written in chunks of vocabulary blocks, each the widest
+whose rows hold no slot still to be read; the last blocks, whose tiles lie in their own rows, are
+recomputed again into the spare buffer. ``keep_tiles=True`` runs it in a buffer of its own
+wherever the tiles do not fit. Deciding takes one host sync (the live tiles per vocabulary
+block).
+
 Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; every gradient
 is accumulated in float32 on-chip and written once, without atomics, so the result is
 deterministic (the filter correction's kept mass is added up atomically, but in integers).
@@ -28,6 +37,7 @@ records which tiles survive the exact filter, so pass 2 only recomputes those.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -61,9 +71,8 @@ def linear_cross_entropy_backward(
     the filter dropped, estimated along the mean classifier row (:mod:`cce.sparse_tile_matmul`;
     needs ``filter_eps`` and no softcap); ``rank_one``: the rank-one term of the logits'
     gradient (label smoothing, :mod:`cce.weighting`), or None; ``keep_tiles``: when both
-    gradients are needed and the host may wait, recompute every live tile once into a buffer of
-    its own and run both products from it (:func:`_kept_tiles_backward`), instead of the two
-    bounded passes. When ``c`` is one shard of the vocabulary
+    gradients are needed and the host may wait, run the one-pass backward with its tiles in a
+    buffer of their own even where they do not fit in dC. When ``c`` is one shard of the vocabulary
     (:mod:`cce.vocab_parallel`), ``lse`` is the whole vocabulary's and ``shard_mass`` (float32
     (N,)) each row's softmax mass in the shard, which the correction needs. ``grad_e_dtype``:
     dE's dtype (default e's; float32 for a dE that is summed over shards)."""
@@ -72,20 +81,25 @@ def linear_cross_entropy_backward(
     grid = kernel_configs(e.dtype).live_grid
     num_token_blocks = triton.cdiv(num_tokens, grid.block_tokens)
     num_vocab_blocks = triton.cdiv(vocab_size, grid.block_vocab)
-    # Pass 1's record: 1 where the tile survived the filter and was stored.
-    flags = torch.zeros((num_token_blocks, num_vocab_blocks), dtype=torch.int32, device=e.device)
     grad_c = (torch.empty((vocab_size, dim), dtype=c.dtype, device=c.device)
               if needs_grad_c else None)
     grad_bias = torch.empty_like(bias) if needs_grad_c and bias is not None else None
 
-    if keep_tiles and needs_grad_e and needs_grad_c and host_may_sync(e.device):
-        grad_e = torch.empty((num_tokens, dim), dtype=e.dtype, device=e.device)
-        correction = MassCorrection.of(c, prob_scale) if mass_correction else None
-        _kept_tiles_backward(e, c, target_positions, bias, softcap, lse, prob_scale,
-                             target_scale, vocab_order, live_tiles, filter_eps, correction,
-                             rank_one, grad_e, grad_c, grad_bias)
-        return grad_e, grad_c, grad_bias
+    if needs_grad_e and needs_grad_c and host_may_sync(e.device):
+        one_pass = _one_pass_plan(live_tiles, grad_c, vocab_order, num_token_blocks,
+                                  num_vocab_blocks, keep_tiles)
+        if one_pass is not None:
+            grad_e = torch.empty((num_tokens, dim), dtype=grad_e_dtype or e.dtype,
+                                 device=e.device)
+            correction = (MassCorrection.of(c, prob_scale, shard_mass) if mass_correction
+                          else None)
+            _one_pass_backward(one_pass, e, c, target_positions, bias, softcap, lse,
+                               prob_scale, target_scale, vocab_order, filter_eps, correction,
+                               rank_one, grad_e, grad_c, grad_bias)
+            return grad_e, grad_c, grad_bias
 
+    # Pass 1's record: 1 where the tile survived the filter and was stored.
+    flags = torch.zeros((num_token_blocks, num_vocab_blocks), dtype=torch.int32, device=e.device)
     grad_e = None
     if needs_grad_e:
         grad_e = torch.empty((num_tokens, dim), dtype=grad_e_dtype or e.dtype, device=e.device)
@@ -117,8 +131,7 @@ def linear_cross_entropy_backward(
         tile_bytes = grid.block_tokens * grid.block_vocab * c.element_size()
         spare_tiles = max(spare_scratch_bytes() // tile_bytes, int(tiles_per_block.max()))
         # Vocabulary positions -> rows of dC: the free rows are those of later positions.
-        position_rows = (vocab_order if vocab_order is not None else
-                         torch.arange(vocab_size, dtype=torch.int32, device=c.device))
+        position_rows = _position_rows(vocab_order, vocab_size, c.device)
         update = RankOneUpdate.for_classifier(rank_one, e) if rank_one is not None else None
         spare = None
         for vocab_blocks, in_spare in _classifier_chunks(
@@ -144,48 +157,135 @@ def linear_cross_entropy_backward(
     return grad_e, grad_c, grad_bias
 
 
-def _kept_tiles_backward(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
-                         vocab_order, live_tiles, filter_eps,
-                         correction: Optional[MassCorrection],
-                         rank_one: Optional[RankOneTerm], grad_e: torch.Tensor,
-                         grad_c: torch.Tensor, grad_bias: Optional[torch.Tensor]) -> None:
-    """Both gradients from one recompute of every tile the table keeps live: the tiles go to a
-    buffer of their own, one slot each (live tiles x BLOCK_TOKENS x BLOCK_VOCAB elements, one
-    host sync to size it), in the dC product's layout; the dE product finds them through a map
-    from grid tile to slot. Tiles the exact filter drops are stored as zeros."""
-    grid = kernel_configs(e.dtype).live_grid
-    num_token_blocks = triton.cdiv(e.shape[0], grid.block_tokens)
-    num_vocab_blocks = triton.cdiv(c.shape[0], grid.block_vocab)
+# The one pass's dE product must keep the SMs at least this busy over its waves.
+_ONE_PASS_MIN_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class OnePassPlan:
+    """Where the one-pass backward keeps its tiles, and the chunks in which it writes dC."""
+
+    tile_lists: TileLists  # the live tiles of each vocabulary block, slots numbered over all
+    live_tiles: torch.Tensor  # int32 grid, nonzero = listed (the dE product's flags)
+    scratch: Scratch  # every slot
+    longest_list: int
+    # dC's chunks of vocabulary blocks, in order; True: its tiles are recomputed again into the
+    # spare buffer, which holds spare_tiles, because they lie in the rows the chunk writes.
+    chunks: "list[tuple[range, bool]]"
+    spare_tiles: int
+
+
+def _one_pass_plan(live_tiles: Optional[torch.Tensor], grad_c: torch.Tensor,
+                   vocab_order: Optional[torch.Tensor], num_token_blocks: int,
+                   num_vocab_blocks: int, keep_tiles: bool) -> Optional[OnePassPlan]:
+    """The one-pass backward's plan when it may run: with ``keep_tiles``, every live tile in a
+    buffer of its own; otherwise when every live tile fits in dC's memory (the tiles of the
+    later chunks in the rows of later positions), None when they do not. Reads the number of
+    live tiles of each vocabulary block: one host sync."""
+    grid = kernel_configs(grad_c.dtype).live_grid
+    vocab_size, dim = grad_c.shape
+    if not keep_tiles and not _one_pass_may_pay(num_token_blocks, num_vocab_blocks, grad_c):
+        return None
     if live_tiles is None:
         live_tiles = torch.ones((num_token_blocks, num_vocab_blocks), dtype=torch.int32,
-                                device=e.device)
+                                device=grad_c.device)
     tile_lists = TileLists.of(live_tiles.T)
-    counts = tile_lists.counts.cpu()
-    scratch = Scratch.dedicated(max(int(counts.sum()), 1) * grid.block_tokens,
-                                grid.block_vocab, e.dtype, e.device)
+    tiles_per_block = tile_lists.counts.cpu().numpy()
+    total = max(int(tiles_per_block.sum()), 1)
+    longest = int(tiles_per_block.max())
+    tile_bytes = grid.block_tokens * grid.block_vocab * grad_c.element_size()
+    spare_tiles = max(spare_scratch_bytes() // tile_bytes, longest)
+    if keep_tiles:
+        scratch = Scratch.dedicated(total * grid.block_tokens, grid.block_vocab, grad_c.dtype,
+                                    grad_c.device)
+        chunks = [(range(num_vocab_blocks), False)]
+    else:
+        placed = _one_pass_chunks(tiles_per_block, vocab_size, dim, grid.block_tokens,
+                                  grid.block_vocab, spare_tiles)
+        if placed is None:
+            return None
+        first_position, chunks = placed
+        # The slots fill the rows of dC from first_position on, in position order.
+        rows = _position_rows(vocab_order, vocab_size, grad_c.device)[first_position:]
+        scratch = Scratch.in_rows(grad_c, rows, grid.block_vocab)
+    return OnePassPlan(tile_lists, live_tiles, scratch, longest, chunks, spare_tiles)
+
+
+def _one_pass_may_pay(num_token_blocks: int, num_vocab_blocks: int,
+                      grad_c: torch.Tensor) -> bool:
+    """Whether to look for room for the one pass in dC (a host sync): when dC's rows can hold
+    tiles, when they would hold half the grid's tiles (a sync that finds too many costs the
+    backward its lead over the GPU: 0.8-1.2 ms at N = 8192, H100), and when the dE product,
+    which multiplies every tile in one launch without splits, fills whole waves of the GPU
+    (with 144 programs for 132 SMs, 2B shape at N = 2048, the one pass was 16% slower)."""
+    grid = kernel_configs(grad_c.dtype).live_grid
+    vocab_size, dim = grad_c.shape
+    if not rows_can_hold_segments(grad_c, grid.block_vocab):
+        return False
+    half_grid_segments = num_token_blocks * num_vocab_blocks * grid.block_tokens // 2
+    programs = num_token_blocks * product_programs_per_block(dim, grad_c.dtype)
+    return (half_grid_segments <= vocab_size * (dim // grid.block_vocab)
+            and sm_utilization(programs, grad_c.device) >= _ONE_PASS_MIN_UTILIZATION)
+
+
+def _one_pass_backward(plan: OnePassPlan, e, c, target_positions, bias, softcap, lse,
+                       prob_scale, target_scale, vocab_order, filter_eps,
+                       correction: Optional[MassCorrection], rank_one: Optional[RankOneTerm],
+                       grad_e: torch.Tensor, grad_c: torch.Tensor,
+                       grad_bias: Optional[torch.Tensor]) -> None:
+    """Both gradients from one recompute of every live tile: each tile is stored in its slot
+    (tiles the exact filter drops as zeros), the dE product reads them all through a map from
+    grid tile to slot, then dC is written chunk by chunk (module docstring)."""
+    tile_lists, scratch = plan.tile_lists, plan.scratch
+    num_token_blocks, num_vocab_blocks = plan.live_tiles.shape
     all_vocab_blocks = range(num_vocab_blocks)
     listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
-                          vocab_order, filter_eps, scratch, tile_lists, int(counts.max()),
+                          vocab_order, filter_eps, scratch, tile_lists, plan.longest_list,
                           all_vocab_blocks,
                           correction.kept_mass if correction is not None else None, rank_one)
-    gradient_times_classifier(scratch, tile_lists, e, vocab_order, grad_c, grad_bias,
-                              all_vocab_blocks,
-                              (RankOneUpdate.for_classifier(rank_one, e) if rank_one is not None
-                               else None))
-    # slot_map[t, v] = the slot of tile (t, v): the k-th of vocabulary block v's list is in
-    # slot first_slots[v] + k.
-    entries = torch.arange(num_token_blocks, device=e.device)
-    listed = entries[None, :] < tile_lists.counts[:, None]
-    vocab_blocks = torch.arange(num_vocab_blocks, device=e.device)[:, None].expand_as(listed)
-    slot_map = torch.zeros((num_token_blocks, num_vocab_blocks), dtype=torch.int32,
-                           device=e.device)
-    slot_map[tile_lists.lists[:, :num_token_blocks][listed].long(), vocab_blocks[listed]] = (
-        tile_lists.first_slots[:, None] + entries[None, :].int())[listed]
-    gradient_times_embeddings(scratch, live_tiles, c, vocab_order, grad_e,
+    gradient_times_embeddings(scratch, plan.live_tiles, c, vocab_order, grad_e,
                               range(num_token_blocks), mass_correction=correction,
                               rank_one=(RankOneUpdate.for_embeddings(rank_one, c)
                                         if rank_one is not None else None),
-                              slot_map=slot_map)
+                              slot_map=_slot_map(tile_lists, num_token_blocks))
+    update = RankOneUpdate.for_classifier(rank_one, e) if rank_one is not None else None
+    spare = None
+    for vocab_blocks, in_spare in plan.chunks:
+        chunk_lists = tile_lists.rows(vocab_blocks)
+        if in_spare:
+            if spare is None:
+                grid = kernel_configs(e.dtype).live_grid
+                spare = Scratch.dedicated(plan.spare_tiles * grid.block_tokens,
+                                          grid.block_vocab, c.dtype, c.device)
+            listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale,
+                                  target_scale, vocab_order, filter_eps, spare, chunk_lists,
+                                  plan.longest_list, vocab_blocks, rank_one=rank_one)
+        gradient_times_classifier(spare if in_spare else scratch, chunk_lists, e, vocab_order,
+                                  grad_c, grad_bias, vocab_blocks, update,
+                                  chunk_slots=in_spare)
+
+
+def _slot_map(tile_lists: TileLists, num_token_blocks: int) -> torch.Tensor:
+    """int32 (token blocks, vocabulary blocks): the slot of each listed tile, for the dE
+    product (the k-th of vocabulary block v's list is in slot first_slots[v] + k)."""
+    num_vocab_blocks = tile_lists.counts.shape[0]
+    device = tile_lists.counts.device
+    entries = torch.arange(num_token_blocks, device=device)
+    listed = entries[None, :] < tile_lists.counts[:, None]
+    vocab_blocks = torch.arange(num_vocab_blocks, device=device)[:, None].expand_as(listed)
+    slot_map = torch.zeros((num_token_blocks, num_vocab_blocks), dtype=torch.int32,
+                           device=device)
+    slot_map[tile_lists.lists[:, :num_token_blocks][listed].long(), vocab_blocks[listed]] = (
+        tile_lists.first_slots[:, None] + entries[None, :].int())[listed]
+    return slot_map
+
+
+def _position_rows(vocab_order: Optional[torch.Tensor], vocab_size: int,
+                   device: torch.device) -> torch.Tensor:
+    """The row of dC (the vocabulary entry) at each vocabulary position."""
+    if vocab_order is not None:
+        return vocab_order
+    return torch.arange(vocab_size, dtype=torch.int32, device=device)
 
 
 def host_may_sync(device: torch.device) -> bool:
@@ -289,8 +389,53 @@ def _classifier_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
             end = int(np.searchsorted(footprint, room, side="right")) - 1
             in_spare = end == first
         if in_spare:
-            end = int(np.searchsorted(tiles_before, tiles_before[first] + spare_tiles,
-                                      side="right")) - 1
+            end = _spare_chunk_end(tiles_before, first, spare_tiles)
         chunks.append((range(first, end), in_spare))
         first = end
     return chunks
+
+
+def _one_pass_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
+                     block_tokens: int, block_vocab: int, spare_tiles: int
+                     ) -> "Optional[tuple[int, list[tuple[range, bool]]]]":
+    """Where the one-pass backward's slots go in dC, and its chunks of dC: ``(first position,
+    chunks)``, or None when the tiles do not fit in dC's memory.
+
+    The slots fill dC's rows in position order, up to the last row, from the first position on.
+    A chunk of vocabulary blocks writes the rows of its positions, so it may only write rows
+    that hold no tile of its blocks or of later ones: rows before the first position, and rows
+    of tiles already multiplied. Each chunk is the widest that writes only those. Sorting puts
+    the blocks with many tiles first, so the chunks widen; at the end of the vocabulary, once a
+    block's own tiles lie in its rows, the remaining blocks are recomputed again into the spare
+    buffer (``spare_tiles``), as pass 2's last chunks are."""
+    segments_per_row = dim // block_vocab
+    num_blocks = len(tiles_per_block)
+    tiles_before = np.zeros(num_blocks + 1, dtype=np.int64)
+    np.cumsum(tiles_per_block, out=tiles_before[1:])
+    slot_rows = -(-int(tiles_before[-1]) * block_tokens // segments_per_row)
+    first_position = vocab_size - slot_rows
+    if first_position < 0:
+        return None
+    chunks = []
+    first = 0
+    while first < num_blocks:
+        # The rows before this one hold no slot of block `first` or of a later block.
+        writable = (vocab_size if tiles_before[first] == tiles_before[-1] else
+                    first_position + tiles_before[first] * block_tokens // segments_per_row)
+        end = num_blocks if writable >= vocab_size else min(num_blocks, writable // block_vocab)
+        if end <= first:
+            break
+        chunks.append((range(first, end), False))
+        first = end
+    while first < num_blocks:
+        end = _spare_chunk_end(tiles_before, first, spare_tiles)
+        chunks.append((range(first, end), True))
+        first = end
+    return first_position, chunks
+
+
+def _spare_chunk_end(tiles_before: np.ndarray, first: int, spare_tiles: int) -> int:
+    """The end of the widest chunk of blocks from ``first`` on whose tiles the spare buffer
+    holds (``tiles_before[k]``: the tiles of the blocks before k; one block at least)."""
+    end = int(np.searchsorted(tiles_before, tiles_before[first] + spare_tiles, side="right")) - 1
+    return max(end, first + 1)

@@ -13,7 +13,8 @@ write float32 partial sums, added up afterwards (dE only; :mod:`cce.partial_sums
   the second operand is rows of c, through the vocabulary order.
 - dC (TRANSPOSED=True): output rows are vocabulary positions, written through the order; the
   list walks token blocks; the first operand is the transposed tile (the k-th of an output
-  block's list is in slot ``first_slots[block] - first_slots[0] + k``), the second rows of e.
+  block's list is in slot ``first_slots[block] - first_slots[0] + k`` of a chunk's scratch, or
+  ``first_slots[block] + k`` when the scratch holds every block's tiles), the second rows of e.
   The bias gradient (column sums of G) comes along.
 
 With label smoothing, G has a rank-one term ``u w^T`` (:mod:`cce.weighting`) that the stored
@@ -102,8 +103,8 @@ def sparse_tile_matmul_kernel(
     first_block, num_out_blocks, list_stride, stride_operand_row, stride_operand_dim,
     TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, HAS_BIAS: tl.constexpr,
     MASS_CORRECTION: tl.constexpr, RANK_ONE: tl.constexpr, RANK_ONE_ROWS: tl.constexpr,
-    SPLITS: tl.constexpr, SLOT_MAP: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr,
-    SEGMENTS_PER_PAGE: tl.constexpr,
+    SPLITS: tl.constexpr, SLOT_MAP: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
+    SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     BLOCK_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -124,7 +125,9 @@ def sparse_tile_matmul_kernel(
             vocab_order_ptr, first_block + out_block, vocab_size, BLOCK_VOCAB, SORTED)
         out_rows = vocab
         # Its k-th listed tile is in slot first_slot + k; the chunk's lists are a slice.
-        first_slot = tl.load(first_slots_ptr + out_block) - tl.load(first_slots_ptr)
+        first_slot = tl.load(first_slots_ptr + out_block)
+        if CHUNK_SLOTS:
+            first_slot -= tl.load(first_slots_ptr)
     else:
         chunk_rows = out_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
         out_rows = first_block * BLOCK_TOKENS + chunk_rows
@@ -228,13 +231,16 @@ def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Te
 def gradient_times_classifier(scratch: Scratch, tile_lists: TileLists, e: torch.Tensor,
                               vocab_order: Optional[torch.Tensor], grad_c: torch.Tensor,
                               grad_bias: Optional[torch.Tensor], vocab_blocks: range,
-                              rank_one: Optional[RankOneUpdate] = None) -> None:
+                              rank_one: Optional[RankOneUpdate] = None,
+                              chunk_slots: bool = True) -> None:
     """``grad_c[rows of vocab_blocks] = G^T @ e`` (and the bias gradient) for a chunk of whole
-    columns of the tile grid (pass 2: the tiles of ``tile_lists``, each in its slot), plus
-    ``rank_one`` (:meth:`RankOneUpdate.for_classifier`) when given."""
+    columns of the tile grid (the tiles of ``tile_lists``, each in its slot), plus ``rank_one``
+    (:meth:`RankOneUpdate.for_classifier`) when given. ``chunk_slots``: the scratch holds the
+    chunk's tiles from its slot 0 (pass 2); False: every block's tiles, numbered over all blocks
+    (``tile_lists`` is then a slice of lists built for every block)."""
     _launch(scratch, tile_lists.lists, tile_lists.counts, tile_lists.first_slots, e,
             vocab_order, grad_c, grad_bias, vocab_blocks.start, len(vocab_blocks),
-            transposed=True, rank_one=rank_one)
+            transposed=True, rank_one=rank_one, chunk_slots=chunk_slots)
 
 
 def _block_out(dim: int, dtype: torch.dtype) -> int:
@@ -270,7 +276,7 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             transposed: bool, room: Optional[torch.Tensor] = None,
             mass_correction: Optional[MassCorrection] = None,
             rank_one: Optional[RankOneUpdate] = None,
-            slot_map: Optional[torch.Tensor] = None) -> None:
+            slot_map: Optional[torch.Tensor] = None, chunk_slots: bool = True) -> None:
     configs = kernel_configs(operand.dtype)
     grid, config = configs.live_grid, configs.sparse_tile_matmul
     dim = operand.shape[1]
@@ -301,7 +307,7 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
         TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
         MASS_CORRECTION=mass_correction is not None, RANK_ONE=rank_one is not None,
         RANK_ONE_ROWS=update.row_factor is not None, SPLITS=splits,
-        SLOT_MAP=slot_map is not None,
+        SLOT_MAP=slot_map is not None, CHUNK_SLOTS=chunk_slots,
         SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_OUT=_block_out(dim, operand.dtype), DOT_PRECISION=dot_precision(operand.dtype),

@@ -1,10 +1,12 @@
-"""The backward's two chunked passes (cce.backward), exercised where they take every branch.
+"""The backward's paths (cce.backward), exercised where they take every branch.
 
 With D a multiple of the vocabulary block, pass 1 (dE) stores its chunks of logit gradients in
 dC's memory and pass 2 (dC) in the rows of dC that are still free, with chunks that shrink as dC
-fills up, and then in a spare buffer for the end of the vocabulary. The shapes below, derived
-from the tile grid of the dtype, make each pass take several chunks and leave a tail for the
-spare buffer; the gradients must match the float64 reference whatever the path.
+fills up, and then in a spare buffer for the end of the vocabulary. When every live tile fits in
+dC's memory, one pass recomputes each once instead, into dC's last rows, and writes dC in chunks
+that widen, then through the spare buffer. The shapes below, derived from the tile grid of the
+dtype, make each path take several chunks and leave a tail for the spare buffer; the gradients
+must match the float64 reference whatever the path.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ def spare_buffer_of_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cce.backward, "spare_scratch_bytes", lambda: 1)
 
 
+@pytest.fixture
+def two_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two-pass backward even where the tiles would fit in dC's memory."""
+    monkeypatch.setattr(cce.backward, "_one_pass_chunks", lambda *args: None)
+
+
 def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list:
     """Record the calls of ``cce.backward.<name>`` (still calling it)."""
     calls = []
@@ -59,7 +67,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional[str],
                                         vocab_sorting: bool, device: str,
-                                        gen: torch.Generator,
+                                        gen: torch.Generator, two_passes: None,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Several dE chunks, several shrinking dC chunks and a tail through the spare buffer (one
     segment per page), all exact."""
@@ -77,7 +85,7 @@ def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_split_embeddings_product_matches_reference(dtype: torch.dtype, device: str,
-                                                    gen: torch.Generator,
+                                                    gen: torch.Generator, two_passes: None,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Each output block's list of the dE product split among 3 programs, as on a GPU when a
     chunk has too few output blocks to fill it: the partial sums add up to the exact dE."""
@@ -124,6 +132,72 @@ def test_classifier_chunks_are_the_widest_that_fit(spare_tiles: int,
             assert not fits(range(blocks.start, blocks.stop + 1), spare)
     first_in_spare = next(blocks for blocks, spare in chunks if spare)
     assert not fits(range(first_in_spare.start, first_in_spare.start + 1), False)
+
+
+@pytest.mark.parametrize("vocab_sorting", [True, False], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("filter_eps", ["auto", None], ids=["filter", "nofilter"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_pass_matches_reference(dtype: torch.dtype, filter_eps: Optional[str],
+                                    vocab_sorting: bool, device: str, gen: torch.Generator,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two token blocks for a classifier four segments wide: every tile fits in dC's memory, so
+    each live one is recomputed once; one dE product, then dC in chunks from dC's rows and a
+    tail through the spare buffer (one segment per page), all exact."""
+    # On a GPU this small a dE product leaves most SMs idle, where two passes are faster.
+    monkeypatch.setattr(cce.backward, "_ONE_PASS_MIN_UTILIZATION", 0.0)
+    one_pass = _spy(monkeypatch, "_one_pass_backward")
+    embeddings_products = _spy(monkeypatch, "gradient_times_embeddings")
+    classifier_chunks = _spy(monkeypatch, "gradient_times_classifier")
+    vocab, _ = _shape(dtype)
+    grid = kernel_configs(dtype).live_grid
+    inputs = make_inputs(gen, device, dtype, shape=(2 * grid.block_tokens - 7,), vocab=vocab,
+                         dim=4 * grid.block_vocab, bias=True, softcap=20.0)
+    check("cce", inputs, gen, "mean", filter_eps=filter_eps, vocab_sorting=vocab_sorting)
+    in_spare = [scratch.segments_per_page == 1 for scratch, *_ in classifier_chunks]
+    assert len(one_pass) == 1 and len(embeddings_products) == 1
+    assert in_spare.count(False) >= 1 and in_spare[-1]
+    assert in_spare == sorted(in_spare)  # dC's rows first, then the spare buffer
+
+
+@pytest.mark.parametrize("spare_tiles", [4, 30])
+def test_one_pass_chunks_write_only_rows_whose_tiles_were_read(spare_tiles: int,
+                                                               gen: torch.Generator) -> None:
+    """The one pass's slots fill dC's last rows in position order; each chunk of dC is the
+    widest that writes no row holding a slot of its own blocks or of later ones (those are read
+    by this chunk's product or a later one), and once one block's tiles lie in its own rows, the
+    rest goes through the spare buffer, as many blocks as it holds. None when the tiles do not
+    fit in dC at all."""
+    block_tokens, block_vocab, dim = 32, 128, 256
+    segments_per_row = dim // block_vocab
+    vocab = 60 * block_vocab - 5
+    tiles_per_block = np.array([4] * 10 + torch.randint(0, 3, (50,), generator=gen).tolist())
+    first_position, chunks = cce.backward._one_pass_chunks(
+        tiles_per_block, vocab, dim, block_tokens, block_vocab, spare_tiles)
+    tiles_before = np.concatenate([[0], np.cumsum(tiles_per_block)])
+    slot_rows = -(-tiles_before[-1] * block_tokens // segments_per_row)
+    assert first_position == vocab - slot_rows
+
+    def writable(blocks: range, in_spare: bool) -> bool:
+        if in_spare:
+            return sum(tiles_per_block[blocks.start:blocks.stop]) <= spare_tiles
+        # Rows from this one on hold slots of blocks >= blocks.start.
+        first_unread_row = (vocab if tiles_before[blocks.start] == tiles_before[-1] else
+                            first_position + tiles_before[blocks.start] * block_tokens
+                            // segments_per_row)
+        return min(blocks.stop * block_vocab, vocab) <= first_unread_row
+
+    assert [block for blocks, _ in chunks for block in blocks] == list(range(60))
+    in_spare = [spare for _, spare in chunks]
+    assert in_spare == sorted(in_spare) and in_spare.count(False) >= 2 and in_spare[-1]
+    for blocks, spare in chunks:
+        assert len(blocks) >= 1 and writable(blocks, spare)
+        if blocks.stop < 60:
+            assert not writable(range(blocks.start, blocks.stop + 1), spare)
+    first_in_spare = next(blocks for blocks, spare in chunks if spare)
+    assert not writable(range(first_in_spare.start, first_in_spare.start + 1), False)
+    too_many = np.full(60, vocab * segments_per_row // block_tokens // 60 + 1)
+    assert cce.backward._one_pass_chunks(too_many, vocab, dim, block_tokens, block_vocab,
+                                         spare_tiles) is None
 
 
 @pytest.mark.parametrize("frozen", ["e", "c"])
