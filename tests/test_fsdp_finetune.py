@@ -1,6 +1,7 @@
 """The FSDP2 fine-tuning experiment (experiments.fsdp_finetune), launched as documented: torchrun
-with two processes, at its quick size: on two GPUs over NCCL where there are two, else on the CPU
-over gloo (the experiment needs a GPU per rank). The launch has a time limit, so a hang fails.
+with two processes, at its quick size: on two GPUs over NCCL where there are two, on the CPU over
+gloo on a machine without a GPU (the experiment needs a GPU per rank); skipped with one GPU. The
+launch has a time limit, so a hang fails.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ TIMEOUT_S = 600
 
 
 def test_sharded_training_follows_the_single_device_run(tmp_path: Path) -> None:
-    # With one GPU, the ranks run on the CPU, where cce's kernels need Triton's interpreter.
-    one_gpu = torch.cuda.device_count() == 1
+    if torch.cuda.device_count() == 1:
+        # Its ranks would run on the CPU in Triton's interpreter, which in Triton 3.6 stops on
+        # a scalar conversion (H100, 2026-11-25); the CPU-only suite runs it in the newer one.
+        pytest.skip("needs two GPUs, or a machine without one")
     run_torchrun("experiments.fsdp_finetune", ["--quick", "--out", str(tmp_path)], nproc=2,
-                 timeout_s=TIMEOUT_S,
-                 env={"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"} if one_gpu else None)
+                 timeout_s=TIMEOUT_S)
 
     results = json.loads((tmp_path / "fsdp_finetune.json").read_text())
     assert results["meta"]["ranks"] == 2
