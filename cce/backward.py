@@ -128,8 +128,7 @@ def linear_cross_entropy_backward(
             listed = torch.ones_like(flags)
         tile_lists = TileLists.of(listed.T)
         tiles_per_block = _tiles_per_vocab_block(tile_lists, num_token_blocks)
-        tile_bytes = grid.block_tokens * grid.block_vocab * c.element_size()
-        spare_tiles = max(spare_scratch_bytes() // tile_bytes, int(tiles_per_block.max()))
+        spare_tiles = _spare_tiles(tiles_per_block, c)
         # Vocabulary positions -> rows of dC: the free rows are those of later positions.
         position_rows = _position_rows(vocab_order, vocab_size, c.device)
         update = RankOneUpdate.for_classifier(rank_one, e) if rank_one is not None else None
@@ -138,20 +137,18 @@ def linear_cross_entropy_backward(
                 tiles_per_block, vocab_size, dim, grid.block_tokens, grid.block_vocab,
                 rows_can_hold_segments(grad_c, grid.block_vocab), spare_tiles):
             if in_spare:
-                if spare is None:
-                    spare = Scratch.dedicated(spare_tiles * grid.block_tokens, grid.block_vocab,
-                                              c.dtype, c.device)
+                spare = spare or _spare_scratch(spare_tiles, c)
                 scratch = spare
             else:
                 free_rows = position_rows[vocab_blocks.stop * grid.block_vocab:]
                 scratch = Scratch.in_rows(grad_c, free_rows, grid.block_vocab)
             chunk_lists = tile_lists.rows(vocab_blocks)
-            longest_list = int(tiles_per_block[vocab_blocks.start:vocab_blocks.stop].max())
             # Pass 1's tiles survived the filter already: the same recompute needs no test.
             listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale,
                                   target_scale, vocab_order,
                                   None if needs_grad_e else filter_eps, scratch, chunk_lists,
-                                  longest_list, vocab_blocks, rank_one=rank_one)
+                                  _longest_list(tiles_per_block, vocab_blocks), vocab_blocks,
+                                  rank_one=rank_one)
             gradient_times_classifier(scratch, chunk_lists, e, vocab_order, grad_c, grad_bias,
                                       vocab_blocks, update)
     return grad_e, grad_c, grad_bias
@@ -166,13 +163,12 @@ class OnePassPlan:
     """Where the one-pass backward keeps its tiles, and the chunks in which it writes dC."""
 
     tile_lists: TileLists  # the live tiles of each vocabulary block, slots numbered over all
+    tiles_per_block: np.ndarray  # their counts, on the host
     live_tiles: torch.Tensor  # int32 grid, nonzero = listed (the dE product's flags)
     scratch: Scratch  # every slot
-    longest_list: int
     # dC's chunks of vocabulary blocks, in order; True: its tiles are recomputed again into the
-    # spare buffer, which holds spare_tiles, because they lie in the rows the chunk writes.
+    # spare buffer, because they lie in the rows the chunk writes.
     chunks: "list[tuple[range, bool]]"
-    spare_tiles: int
 
 
 def _one_pass_plan(live_tiles: Optional[torch.Tensor], grad_c: torch.Tensor,
@@ -191,24 +187,20 @@ def _one_pass_plan(live_tiles: Optional[torch.Tensor], grad_c: torch.Tensor,
                                 device=grad_c.device)
     tile_lists = TileLists.of(live_tiles.T)
     tiles_per_block = tile_lists.counts.cpu().numpy()
-    total = max(int(tiles_per_block.sum()), 1)
-    longest = int(tiles_per_block.max())
-    tile_bytes = grid.block_tokens * grid.block_vocab * grad_c.element_size()
-    spare_tiles = max(spare_scratch_bytes() // tile_bytes, longest)
     if keep_tiles:
-        scratch = Scratch.dedicated(total * grid.block_tokens, grid.block_vocab, grad_c.dtype,
-                                    grad_c.device)
+        scratch = Scratch.dedicated(max(int(tiles_per_block.sum()), 1) * grid.block_tokens,
+                                    grid.block_vocab, grad_c.dtype, grad_c.device)
         chunks = [(range(num_vocab_blocks), False)]
     else:
         placed = _one_pass_chunks(tiles_per_block, vocab_size, dim, grid.block_tokens,
-                                  grid.block_vocab, spare_tiles)
+                                  grid.block_vocab, _spare_tiles(tiles_per_block, grad_c))
         if placed is None:
             return None
         first_position, chunks = placed
         # The slots fill the rows of dC from first_position on, in position order.
         rows = _position_rows(vocab_order, vocab_size, grad_c.device)[first_position:]
         scratch = Scratch.in_rows(grad_c, rows, grid.block_vocab)
-    return OnePassPlan(tile_lists, live_tiles, scratch, longest, chunks, spare_tiles)
+    return OnePassPlan(tile_lists, tiles_per_block, live_tiles, scratch, chunks)
 
 
 def _one_pass_may_pay(num_token_blocks: int, num_vocab_blocks: int,
@@ -240,8 +232,8 @@ def _one_pass_backward(plan: OnePassPlan, e, c, target_positions, bias, softcap,
     num_token_blocks, num_vocab_blocks = plan.live_tiles.shape
     all_vocab_blocks = range(num_vocab_blocks)
     listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
-                          vocab_order, filter_eps, scratch, tile_lists, plan.longest_list,
-                          all_vocab_blocks,
+                          vocab_order, filter_eps, scratch, tile_lists,
+                          _longest_list(plan.tiles_per_block, all_vocab_blocks), all_vocab_blocks,
                           correction.kept_mass if correction is not None else None, rank_one)
     gradient_times_embeddings(scratch, plan.live_tiles, c, vocab_order, grad_e,
                               range(num_token_blocks), mass_correction=correction,
@@ -253,13 +245,11 @@ def _one_pass_backward(plan: OnePassPlan, e, c, target_positions, bias, softcap,
     for vocab_blocks, in_spare in plan.chunks:
         chunk_lists = tile_lists.rows(vocab_blocks)
         if in_spare:
-            if spare is None:
-                grid = kernel_configs(e.dtype).live_grid
-                spare = Scratch.dedicated(plan.spare_tiles * grid.block_tokens,
-                                          grid.block_vocab, c.dtype, c.device)
+            spare = spare or _spare_scratch(_spare_tiles(plan.tiles_per_block, c), c)
             listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale,
                                   target_scale, vocab_order, filter_eps, spare, chunk_lists,
-                                  plan.longest_list, vocab_blocks, rank_one=rank_one)
+                                  _longest_list(plan.tiles_per_block, vocab_blocks),
+                                  vocab_blocks, rank_one=rank_one)
         gradient_times_classifier(spare if in_spare else scratch, chunk_lists, e, vocab_order,
                                   grad_c, grad_bias, vocab_blocks, update,
                                   chunk_slots=in_spare)
@@ -278,6 +268,34 @@ def _slot_map(tile_lists: TileLists, num_token_blocks: int) -> torch.Tensor:
     slot_map[tile_lists.lists[:, :num_token_blocks][listed].long(), vocab_blocks[listed]] = (
         tile_lists.first_slots[:, None] + entries[None, :].int())[listed]
     return slot_map
+
+
+def _spare_tiles(tiles_per_block: np.ndarray, like: torch.Tensor) -> int:
+    """Tiles the spare buffer holds: its bytes' worth of tiles of ``like``'s dtype, or one
+    vocabulary block's tiles if more."""
+    grid = kernel_configs(like.dtype).live_grid
+    tile_bytes = grid.block_tokens * grid.block_vocab * like.element_size()
+    return max(spare_scratch_bytes() // tile_bytes, int(tiles_per_block.max()))
+
+
+def _spare_scratch(spare_tiles: int, like: torch.Tensor) -> Scratch:
+    """The spare buffer: ``spare_tiles`` tiles of ``like``'s dtype, on its device."""
+    grid = kernel_configs(like.dtype).live_grid
+    return Scratch.dedicated(spare_tiles * grid.block_tokens, grid.block_vocab, like.dtype,
+                             like.device)
+
+
+def _longest_list(tiles_per_block: np.ndarray, vocab_blocks: range) -> int:
+    """The most tiles of one block of ``vocab_blocks``: a listed recompute's programs per
+    block."""
+    return int(tiles_per_block[vocab_blocks.start:vocab_blocks.stop].max())
+
+
+def _tiles_before(tiles_per_block: np.ndarray) -> np.ndarray:
+    """int64 (blocks + 1,): the tiles of the blocks before each block (and of all, last)."""
+    tiles_before = np.zeros(len(tiles_per_block) + 1, dtype=np.int64)
+    np.cumsum(tiles_per_block, out=tiles_before[1:])
+    return tiles_before
 
 
 def _position_rows(vocab_order: Optional[torch.Tensor], vocab_size: int,
@@ -368,8 +386,7 @@ def _classifier_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
     Runs while the GPU waits for it (after pass 2's host sync), so each chunk's end is a binary
     search rather than a Python loop over the blocks (2048 of them at V = 262144)."""
     num_blocks = len(tiles_per_block)
-    tiles_before = np.zeros(num_blocks + 1, dtype=np.int64)  # tiles of the blocks before k
-    np.cumsum(tiles_per_block, out=tiles_before[1:])
+    tiles_before = _tiles_before(tiles_per_block)
     # Blocks [first, end) fit in the free rows when their segments, plus the segments of the
     # rows up to the end of block `end`, are at most all of dC's:
     #   (tiles_before[end] - tiles_before[first]) * block_tokens
@@ -410,8 +427,7 @@ def _one_pass_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
     buffer (``spare_tiles``), as pass 2's last chunks are."""
     segments_per_row = dim // block_vocab
     num_blocks = len(tiles_per_block)
-    tiles_before = np.zeros(num_blocks + 1, dtype=np.int64)
-    np.cumsum(tiles_per_block, out=tiles_before[1:])
+    tiles_before = _tiles_before(tiles_per_block)
     slot_rows = -(-int(tiles_before[-1]) * block_tokens // segments_per_row)
     first_position = vocab_size - slot_rows
     if first_position < 0:
