@@ -224,19 +224,31 @@ def train(initial_model: PreTrainedModel, batches: Sequence[dict[str, torch.Tens
     losses, grad_norms, step_ms = [], [], []
     for batch in progress(batches, f"{implementation}, seed {seed}", leave=False):
         batch = {name: tensor.to(DEVICE) for name, tensor in batch.items()}
-        start_s = synchronized_clock()
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            loss = model(**batch).loss
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        step_ms.append((synchronized_clock() - start_s) * 1e3)
+        loss, grad_norm, ms = training_step(model, batch, optimizer, schedule)
+        step_ms.append(ms)
         losses.append(loss.item())
         grad_norms.append(grad_norm.item())
     peak_memory_mb = torch.cuda.max_memory_allocated() / 2**20 if ON_GPU else None
     return RunResult(implementation, seed, losses, grad_norms, step_ms, peak_memory_mb)
+
+
+def training_step(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                  optimizer: torch.optim.Optimizer, schedule: Any, **forward_options: Any
+                  ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step on ``batch`` (on the model's device): bfloat16 autocast, gradients
+    clipped to ``MAX_GRAD_NORM``, the schedule advanced. Returns the loss (detached), the
+    gradient norm before clipping and the step's milliseconds (:func:`synchronized_clock`).
+    ``forward_options`` go to the model's forward with the batch."""
+    device_type = next(iter(batch.values())).device.type
+    start_s = synchronized_clock()
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        loss = model(**batch, **forward_options).loss
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), grad_norm, (synchronized_clock() - start_s) * 1e3
 
 
 def synchronized_clock() -> float:

@@ -49,8 +49,8 @@ import torch.distributed as dist
 from cce.integrations.transformers import patch
 from experiments.alpaca_data import IGNORE_INDEX, add_data_argument, load_alpaca
 from experiments.alpaca_finetune import (FINAL_STEPS, MAX_GRAD_NORM, REAL_MODEL, SETUPS,
-                                         TINY_MODEL, WARMUP_RATIO, load, synchronized_clock,
-                                         trainable_examples, training_batches)
+                                         TINY_MODEL, WARMUP_RATIO, load, trainable_examples,
+                                         training_batches, training_step)
 from experiments.harness import log, progress, write_results
 
 NAME = "fsdp_finetune"
@@ -182,16 +182,9 @@ def train(initial_model: Any, batches: Sequence[dict[str, torch.Tensor]], seed: 
         # the whole batch's count over the number of ranks, whose mean FSDP2 takes.
         tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
         part = {name: tensor.chunk(shards)[shard].to(device) for name, tensor in batch.items()}
-        start_s = synchronized_clock()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(**part, num_items_in_batch=tokens / shards).loss
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        step_ms.append((synchronized_clock() - start_s) * 1e3)
-        loss = loss.detach()
+        loss, grad_norm, ms = training_step(model, part, optimizer, schedule,
+                                            num_items_in_batch=tokens / shards)
+        step_ms.append(ms)
         if sharded:
             dist.all_reduce(loss)
             loss /= shards
