@@ -12,8 +12,9 @@ block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
    there: wide where sorting left few live tiles (the tail of the vocabulary), narrower as dC
    fills up; once not even one block's tiles fit, the rest of the vocabulary goes through a small
    spare buffer. Sizing the chunks takes one host sync (the tiles per vocabulary block); the
-   lists of every chunk's tiles are built before it, in one launch, so that after it the host
-   queues only two kernels per chunk while the GPU waits. Where the host must not wait (CUDA
+   lists of every chunk's tiles are built in one launch before pass 1's last product, and
+   their lengths copied to the host behind it, so the host plans pass 2 while the GPU runs
+   that product (:mod:`cce.host_copy`). Where the host must not wait (CUDA
    graph capture, torch.compile, ``torch.cuda.set_sync_debug_mode``), the chunks are sized for
    every tile being stored instead: no sync, narrower chunks.
 
@@ -24,7 +25,7 @@ product reads every slot, then dC is written in chunks of vocabulary blocks, eac
 whose rows hold no slot still to be read; the last blocks, whose tiles lie in their own rows, are
 recomputed again into the spare buffer. ``keep_tiles=True`` runs it in a buffer of its own
 wherever the tiles do not fit. Deciding takes one host sync (the live tiles per vocabulary
-block).
+block), during which the GPU computes the filter correction's mean classifier row.
 
 Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; every gradient
 is accumulated in float32 on-chip and written once, without atomics, so the result is
@@ -38,7 +39,7 @@ records which tiles survive the exact filter, so pass 2 only recomputes those.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ import triton
 from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, sm_utilization,
                         spare_scratch_bytes, whole_waves)
 from cce.gradient_tiles import gradient_tiles, listed_gradient_tiles
+from cce.host_copy import start_host_copy
 from cce.live_lists import TileLists
 from cce.scratch import Scratch, rows_can_hold_segments
 from cce.sparse_tile_matmul import (MassCorrection, RankOneUpdate,
@@ -85,14 +87,18 @@ def linear_cross_entropy_backward(
               if needs_grad_c else None)
     grad_bias = torch.empty_like(bias) if needs_grad_c and bias is not None else None
 
-    if needs_grad_e and needs_grad_c and host_may_sync(e.device):
-        one_pass = _one_pass_plan(live_tiles, grad_c, vocab_order, num_token_blocks,
-                                  num_vocab_blocks, keep_tiles)
+    correction = None
+    if (needs_grad_e and needs_grad_c and host_may_sync(e.device)
+            and (keep_tiles or _one_pass_may_pay(num_token_blocks, num_vocab_blocks, grad_c))):
+        table = live_tiles if live_tiles is not None else torch.ones(
+            (num_token_blocks, num_vocab_blocks), dtype=torch.int32, device=e.device)
+        live_listed = _list_tiles(table)
+        # Queued behind the copy of the list lengths: the GPU runs it while the host plans.
+        correction = MassCorrection.of(c, prob_scale, shard_mass) if mass_correction else None
+        one_pass = _one_pass_plan(live_listed, table, grad_c, vocab_order, keep_tiles)
         if one_pass is not None:
             grad_e = torch.empty((num_tokens, dim), dtype=grad_e_dtype or e.dtype,
                                  device=e.device)
-            correction = (MassCorrection.of(c, prob_scale, shard_mass) if mass_correction
-                          else None)
             _one_pass_backward(one_pass, e, c, target_positions, bias, softcap, lse,
                                prob_scale, target_scale, vocab_order, filter_eps, correction,
                                rank_one, grad_e, grad_c, grad_bias)
@@ -100,6 +106,7 @@ def linear_cross_entropy_backward(
 
     # Pass 1's record: 1 where the tile survived the filter and was stored.
     flags = torch.zeros((num_token_blocks, num_vocab_blocks), dtype=torch.int32, device=e.device)
+    listed = None  # pass 2's tiles
     grad_e = None
     if needs_grad_e:
         grad_e = torch.empty((num_tokens, dim), dtype=grad_e_dtype or e.dtype, device=e.device)
@@ -109,7 +116,8 @@ def linear_cross_entropy_backward(
         chunk = _embeddings_chunk(scratch, num_token_blocks, row_segments, dim, e.dtype,
                                   e.device)
         room = _room_after(scratch, chunk * row_segments)
-        correction = MassCorrection.of(c, prob_scale, shard_mass) if mass_correction else None
+        if mass_correction and correction is None:
+            correction = MassCorrection.of(c, prob_scale, shard_mass)
         update = RankOneUpdate.for_embeddings(rank_one, c) if rank_one is not None else None
         for first in range(0, num_token_blocks, chunk):
             token_blocks = range(first, min(first + chunk, num_token_blocks))
@@ -117,17 +125,20 @@ def linear_cross_entropy_backward(
                            vocab_order, live_tiles, filter_eps, flags, scratch, token_blocks,
                            range(num_vocab_blocks),
                            correction.kept_mass if correction is not None else None, rank_one)
+            if needs_grad_c and token_blocks.stop == num_token_blocks:
+                # Pass 1 filtered every tile exactly: its final flags are the tiles pass 2
+                # stores. Listed before the last product, which the GPU runs while the host
+                # reads the lists' lengths and plans pass 2.
+                listed = _list_tiles(flags)
             gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e, token_blocks, room,
                                       correction, update)
         del scratch, room
 
     if needs_grad_c:
-        # Pass 1 filtered every tile exactly: its flags are the tiles pass 2 stores.
-        listed = flags if needs_grad_e else live_tiles
-        if listed is None:
-            listed = torch.ones_like(flags)
-        tile_lists = TileLists.of(listed.T)
-        tiles_per_block = _tiles_per_vocab_block(tile_lists, num_token_blocks)
+        if listed is None:  # no pass 1: the live tiles, filtered in pass 2
+            listed = _list_tiles(live_tiles if live_tiles is not None else torch.ones_like(flags))
+        tile_lists, read_lengths = listed
+        tiles_per_block = read_lengths()
         spare_tiles = _spare_tiles(tiles_per_block, c)
         # Vocabulary positions -> rows of dC: the free rows are those of later positions.
         position_rows = _position_rows(vocab_order, vocab_size, c.device)
@@ -171,22 +182,18 @@ class OnePassPlan:
     chunks: "list[tuple[range, bool]]"
 
 
-def _one_pass_plan(live_tiles: Optional[torch.Tensor], grad_c: torch.Tensor,
-                   vocab_order: Optional[torch.Tensor], num_token_blocks: int,
-                   num_vocab_blocks: int, keep_tiles: bool) -> Optional[OnePassPlan]:
-    """The one-pass backward's plan when it may run: with ``keep_tiles``, every live tile in a
-    buffer of its own; otherwise when every live tile fits in dC's memory (the tiles of the
-    later chunks in the rows of later positions), None when they do not. Reads the number of
-    live tiles of each vocabulary block: one host sync."""
+def _one_pass_plan(listed: ListedTiles, live_tiles: torch.Tensor, grad_c: torch.Tensor,
+                   vocab_order: Optional[torch.Tensor], keep_tiles: bool
+                   ) -> Optional[OnePassPlan]:
+    """The one-pass backward's plan for the live tiles (``listed``, listed from the table
+    ``live_tiles``): with ``keep_tiles``, every live tile in a buffer of its own; otherwise when
+    every live tile fits in dC's memory (the tiles of the later chunks in the rows of later
+    positions), None when they do not. Reads the lists' lengths on the host."""
     grid = kernel_configs(grad_c.dtype).live_grid
     vocab_size, dim = grad_c.shape
-    if not keep_tiles and not _one_pass_may_pay(num_token_blocks, num_vocab_blocks, grad_c):
-        return None
-    if live_tiles is None:
-        live_tiles = torch.ones((num_token_blocks, num_vocab_blocks), dtype=torch.int32,
-                                device=grad_c.device)
-    tile_lists = TileLists.of(live_tiles.T)
-    tiles_per_block = tile_lists.counts.cpu().numpy()
+    tile_lists, read_lengths = listed
+    tiles_per_block = read_lengths()
+    num_vocab_blocks = len(tiles_per_block)
     if keep_tiles:
         scratch = Scratch.dedicated(max(int(tiles_per_block.sum()), 1) * grid.block_tokens,
                                     grid.block_vocab, grad_c.dtype, grad_c.device)
@@ -257,17 +264,19 @@ def _one_pass_backward(plan: OnePassPlan, e, c, target_positions, bias, softcap,
 
 def _slot_map(tile_lists: TileLists, num_token_blocks: int) -> torch.Tensor:
     """int32 (token blocks, vocabulary blocks): the slot of each listed tile, for the dE
-    product (the k-th of vocabulary block v's list is in slot first_slots[v] + k)."""
+    product (the k-th of vocabulary block v's list is in slot first_slots[v] + k). Built by
+    indexing rather than by a boolean mask, which would make the host wait for the GPU."""
     num_vocab_blocks = tile_lists.counts.shape[0]
     device = tile_lists.counts.device
-    entries = torch.arange(num_token_blocks, device=device)
+    entries = torch.arange(num_token_blocks, device=device, dtype=torch.int32)
     listed = entries[None, :] < tile_lists.counts[:, None]
+    # Entries past a list's end go to an extra row, dropped at the end.
+    token_blocks = torch.where(listed, tile_lists.lists[:, :num_token_blocks], num_token_blocks)
     vocab_blocks = torch.arange(num_vocab_blocks, device=device)[:, None].expand_as(listed)
-    slot_map = torch.zeros((num_token_blocks, num_vocab_blocks), dtype=torch.int32,
+    slot_map = torch.zeros((num_token_blocks + 1, num_vocab_blocks), dtype=torch.int32,
                            device=device)
-    slot_map[tile_lists.lists[:, :num_token_blocks][listed].long(), vocab_blocks[listed]] = (
-        tile_lists.first_slots[:, None] + entries[None, :].int())[listed]
-    return slot_map
+    slot_map[token_blocks.long(), vocab_blocks] = tile_lists.first_slots[:, None] + entries
+    return slot_map[:num_token_blocks]
 
 
 def _spare_tiles(tiles_per_block: np.ndarray, like: torch.Tensor) -> int:
@@ -316,14 +325,26 @@ def host_may_sync(device: torch.device) -> bool:
                 or torch.cuda.get_sync_debug_mode() != 0)
 
 
-def _tiles_per_vocab_block(tile_lists: TileLists, num_token_blocks: int) -> np.ndarray:
-    """How many tiles each vocabulary block stores in pass 2, which sets the chunks' widths:
-    read from the GPU (one host sync) when the host may wait; otherwise the bound known in
-    advance, every token block, so that the schedule needs nothing from the GPU (CUDA graphs)
+class ListedTiles(NamedTuple):
+    """The tiles of each vocabulary block (``TileLists``), and a function that returns their
+    number per block on the host (:func:`_list_tiles`)."""
+
+    tile_lists: TileLists
+    read_lengths: Callable[[], np.ndarray]
+
+
+def _list_tiles(table: torch.Tensor) -> ListedTiles:
+    """The lists of the tiles flagged in ``table`` (token blocks x vocabulary blocks), by
+    vocabulary block. Their lengths set the chunks' widths. When the host may wait, their copy
+    to the host is queued now and read later (one sync, :mod:`cce.host_copy`), so the GPU runs
+    what is queued in between while the host plans. Otherwise the lengths are the bound known in
+    advance, every token block, so that the schedule needs nothing from the GPU (CUDA graphs),
     at the cost of narrower chunks and idle programs."""
-    if host_may_sync(tile_lists.counts.device):
-        return tile_lists.counts.cpu().numpy()
-    return np.full(tile_lists.counts.shape[0], num_token_blocks, dtype=np.int64)
+    tile_lists = TileLists.of(table.T)
+    if host_may_sync(table.device):
+        return ListedTiles(tile_lists, start_host_copy(tile_lists.counts))
+    bound = np.full(table.shape[1], table.shape[0], dtype=np.int64)
+    return ListedTiles(tile_lists, lambda: bound)
 
 
 def _embeddings_pass_scratch(grad_c: Optional[torch.Tensor], e: torch.Tensor,

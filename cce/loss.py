@@ -23,6 +23,7 @@ from cce import baselines
 from cce.cce_function import cce_loss
 from cce.chunked_torch import chunked_torch_loss
 from cce.config import kernels_run_on
+from cce.host_copy import start_host_copy
 from cce.weighting import LossWeighting
 from cce.vocab_parallel import (VocabParallelOptions, check_options, check_shards,
                                 reject_dtensors, vocab_parallel_loss)
@@ -312,20 +313,10 @@ def _start_host_read(flag: torch.Tensor) -> Optional[Callable[[], bool]]:
     work queued before the flag, as a sync would, but the GPU has the loss to run meanwhile."""
     if torch.compiler.is_compiling() or _holds_no_data(flag):
         return None
-    if flag.device.type != "cuda":
-        return lambda: bool(flag)
-    if torch.cuda.is_current_stream_capturing():
+    if flag.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    host_flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-    host_flag.copy_(flag, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-
-    def read() -> bool:
-        copied.synchronize()
-        return bool(host_flag)
-
-    return read
+    read = start_host_copy(flag)
+    return lambda: bool(read())
 
 
 _AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps", "hpu", "xla", "mtia")

@@ -36,11 +36,12 @@ from cce.config import kernel_configs
 from experiments.harness import ON_GPU, WrittenResults, add_sections, progress, write_results
 from experiments.synthetic import lm_like_inputs
 
-# (name, description, N, V, D): the benchmark's synthetic shapes.
+# (name, description, N, V, D): the benchmark's synthetic shapes (its small batch included).
 SHAPES = (
     ("gemma3", "Gemma 3 270M shape", 8192, 262144, 640),
     ("gemma2_2b", "Gemma 2 2B shape", 8192, 256000, 2304),
     ("llama3_8b", "Llama 3 8B shape", 8192, 128256, 4096),
+    ("llama3_8b_n1024", "Llama 3 8B shape, N = 1024", 1024, 128256, 4096),
     ("phi3_5_mini", "Phi 3.5 mini shape", 8192, 32064, 3072),
 )
 QUICK_SHAPES = (("quick", "tiny (CPU smoke test)", 96, 1000, 72),)
