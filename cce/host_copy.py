@@ -18,11 +18,12 @@ def start_host_copy(tensor: torch.Tensor) -> Callable[[], np.ndarray]:
     """Queue a copy of ``tensor`` to the host now; the returned function waits for that copy
     only and returns its values."""
     if tensor.device.type != "cuda":
-        return lambda: tensor.numpy(force=True)
+        values = tensor.numpy(force=True).copy()
+        return lambda: values
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(tensor.device))  # the copy's stream, any device
 
     def read() -> np.ndarray:
         copied.synchronize()

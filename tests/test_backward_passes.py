@@ -21,6 +21,7 @@ import cce.backward
 import cce.sparse_tile_matmul
 from cce.cce_function import loss_backward, loss_forward
 from cce.config import kernel_configs
+from cce.host_copy import start_host_copy
 from cce.live_lists import live_lists
 from cce.partial_sums import sum_partials
 from tests.helpers import (check, make_grad_output, make_inputs, peaked_inputs,
@@ -296,3 +297,14 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
     alone, listed_alone = grad_c(with_grad_e=False)
     assert listed_alone > stored_beside > 0
     assert torch.equal(alone, beside)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                          reason="needs a GPU"))])
+def test_host_copy_reads_the_values_queued_before_it(device: str) -> None:
+    # The backward reads its list lengths this way while the GPU goes on with later work.
+    values = torch.arange(100_000, dtype=torch.int32, device=device)
+    read = start_host_copy(values)
+    values.mul_(3)  # queued after the copy
+    assert np.array_equal(read(), np.arange(100_000, dtype=np.int32))
