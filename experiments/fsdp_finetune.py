@@ -51,7 +51,7 @@ from experiments.alpaca_data import IGNORE_INDEX, add_data_argument, load_alpaca
 from experiments.alpaca_finetune import (FINAL_STEPS, MAX_GRAD_NORM, REAL_MODEL, SETUPS,
                                          TINY_MODEL, WARMUP_RATIO, load, trainable_examples,
                                          training_batches, training_step)
-from experiments.harness import log, progress, write_results
+from experiments.harness import gather_from_ranks, log, progress, write_results
 
 NAME = "fsdp_finetune"
 FIGURE = "fsdp_finetune.png"
@@ -193,7 +193,7 @@ def train(initial_model: Any, batches: Sequence[dict[str, torch.Tensor]], seed: 
     peaks = None
     if on_gpu:
         peak = torch.cuda.max_memory_allocated(device) / 2**20
-        peaks = _all_ranks(peak, device) if sharded else [peak]
+        peaks = gather_from_ranks(peak, device) if sharded else [peak]
     del model, optimizer
     gc.collect()  # the patched forward refers to its model: only the collector frees it
     if on_gpu:
@@ -218,13 +218,6 @@ def shard_model(model: Any, device: torch.device) -> None:
 def _full(value: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (the sharded model's gradient norm), or the tensor itself."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value
-
-
-def _all_ranks(value: float, device: torch.device) -> list[float]:
-    table = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
-    table[dist.get_rank()] = value
-    dist.all_reduce(table)
-    return table.tolist()
 
 
 def report(runs: list[RunResult], out_dir: Path, model_name: str, steps: int, seeds: int,

@@ -418,6 +418,17 @@ def add_sections(written: WrittenResults, fields: dict[str, Any], markdown_lines
     return replace(written, markdown=markdown)
 
 
+def gather_from_ranks(value: float, device: torch.device) -> list[float]:
+    """``value`` of every rank of the default process group, in rank order (a multi-process
+    experiment's per-rank measurements)."""
+    import torch.distributed as dist
+
+    table = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    table[dist.get_rank()] = value
+    dist.all_reduce(table)
+    return table.tolist()
+
+
 def progress(items: Iterable[T], description: str, total: Optional[int] = None,
              leave: bool = True) -> Iterable[T]:
     """A tqdm progress bar over ``items`` when tqdm is installed (and stderr is a terminal)."""

@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cce
-from experiments.harness import add_sections, markdown_table, write_results
+from experiments.harness import add_sections, gather_from_ranks, markdown_table, write_results
 from experiments.synthetic import lm_like_inputs
 
 MIB = 2**20
@@ -115,10 +115,7 @@ class Ranks:
 
     def gather(self, value: float) -> list[float]:
         """``value`` of every rank, in rank order."""
-        table = torch.zeros(self.world_size, dtype=torch.float64, device=self.device)
-        table[self.rank] = value
-        dist.all_reduce(table)
-        return table.tolist()
+        return gather_from_ranks(value, self.device)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
