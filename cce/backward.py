@@ -404,8 +404,9 @@ def _classifier_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
     is the widest whose tiles fit there. Once not even one block's do, every later chunk goes to
     the spare buffer, as many blocks as its ``spare_tiles`` hold (at least one block's).
 
-    Runs while the GPU waits for it (after pass 2's host sync), so each chunk's end is a binary
-    search rather than a Python loop over the blocks (2048 of them at V = 262144)."""
+    Runs on the host after the list lengths arrive, while the GPU has only pass 1's last
+    product left, so each chunk's end is a binary search rather than a Python loop over the
+    blocks (2048 of them at V = 262144)."""
     num_blocks = len(tiles_per_block)
     tiles_before = _tiles_before(tiles_per_block)
     # Blocks [first, end) fit in the free rows when their segments, plus the segments of the

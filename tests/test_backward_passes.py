@@ -11,7 +11,7 @@ must match the float64 reference whatever the path.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
@@ -124,15 +124,7 @@ def test_classifier_chunks_are_the_widest_that_fit(spare_tiles: int,
         free_segments = (vocab - blocks.stop * block_vocab) * (dim // block_vocab)
         return tiles * block_tokens <= free_segments
 
-    assert [block for blocks, _ in chunks for block in blocks] == list(range(60))
-    in_spare = [spare for _, spare in chunks]
-    assert in_spare == sorted(in_spare) and in_spare.count(False) >= 2 and in_spare[-1]
-    for blocks, spare in chunks:
-        assert len(blocks) >= 1 and fits(blocks, spare)
-        if blocks.stop < 60:
-            assert not fits(range(blocks.start, blocks.stop + 1), spare)
-    first_in_spare = next(blocks for blocks, spare in chunks if spare)
-    assert not fits(range(first_in_spare.start, first_in_spare.start + 1), False)
+    _assert_widest_chunks(chunks, 60, fits)
 
 
 @pytest.mark.parametrize("vocab_sorting", [True, False], ids=["sorted", "unsorted"])
@@ -187,15 +179,7 @@ def test_one_pass_chunks_write_only_rows_whose_tiles_were_read(spare_tiles: int,
                             // segments_per_row)
         return min(blocks.stop * block_vocab, vocab) <= first_unread_row
 
-    assert [block for blocks, _ in chunks for block in blocks] == list(range(60))
-    in_spare = [spare for _, spare in chunks]
-    assert in_spare == sorted(in_spare) and in_spare.count(False) >= 2 and in_spare[-1]
-    for blocks, spare in chunks:
-        assert len(blocks) >= 1 and writable(blocks, spare)
-        if blocks.stop < 60:
-            assert not writable(range(blocks.start, blocks.stop + 1), spare)
-    first_in_spare = next(blocks for blocks, spare in chunks if spare)
-    assert not writable(range(first_in_spare.start, first_in_spare.start + 1), False)
+    _assert_widest_chunks(chunks, 60, writable)
     too_many = np.full(60, vocab * segments_per_row // block_tokens // 60 + 1)
     assert cce.backward._one_pass_chunks(too_many, vocab, dim, block_tokens, block_vocab,
                                          spare_tiles) is None
@@ -308,3 +292,19 @@ def test_host_copy_reads_the_values_queued_before_it(device: str) -> None:
     read = start_host_copy(values)
     values.mul_(3)  # queued after the copy
     assert np.array_equal(read(), np.arange(100_000, dtype=np.int32))
+
+
+def _assert_widest_chunks(chunks: "list[tuple[range, bool]]", num_blocks: int,
+                          allowed: Callable[[range, bool], bool]) -> None:
+    """A planner's chunks cover the blocks in order, first in dC's rows (two chunks at least),
+    then in the spare buffer; each is allowed and one block wider would not be, and the first
+    chunk in the spare buffer is there because not even its first block was allowed in dC."""
+    assert [block for blocks, _ in chunks for block in blocks] == list(range(num_blocks))
+    in_spare = [spare for _, spare in chunks]
+    assert in_spare == sorted(in_spare) and in_spare.count(False) >= 2 and in_spare[-1]
+    for blocks, spare in chunks:
+        assert len(blocks) >= 1 and allowed(blocks, spare)
+        if blocks.stop < num_blocks:
+            assert not allowed(range(blocks.start, blocks.stop + 1), spare)
+    first_in_spare = next(blocks for blocks, spare in chunks if spare)
+    assert not allowed(range(first_in_spare.start, first_in_spare.start + 1), False)
