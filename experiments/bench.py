@@ -623,7 +623,8 @@ def _plot(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
     methods = list(dict.fromkeys(method for _, method in times))
     width = 0.8 / max(1, len(methods))
     figure, axes = plt.subplots(figsize=(max(6.0, 1.8 * len(shapes)) + 2.5, 4.5))
-    colors = plt.get_cmap("tab10").colors
+    # tab10 alone would repeat its colors from the eleventh method on.
+    colors = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
     for index, method in enumerate(methods):
         measured = [(i, times[shape, method]) for i, shape in enumerate(shapes)
                     if (shape, method) in times]
@@ -649,7 +650,7 @@ def _shape_label(info: dict[str, Any]) -> str:
     synthetic inputs without the model)."""
     data = info["data"].split(":")[0].split(" (")[0]
     return (f"{textwrap.fill(info['description'], 20)}\n"
-            f"N={info['n_tokens']}, V={info['vocab_size']}, D={info['dim']}\n{data}")
+            f"N={info['n_tokens']}\nV={info['vocab_size']}, D={info['dim']}\n{data}")
 
 
 def add_repeats_argument(parser: argparse.ArgumentParser) -> None:
