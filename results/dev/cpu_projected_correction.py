@@ -12,6 +12,8 @@ share of the dE error; the kernels' bf16 rounding adds to it in quadrature).
 - none: the paper's filter. mean_row: cce's correction, dropped mass x mean row of c.
 - mean_row_plus_top{r}_exact: as mean_row, with R's component in the span of the top r
   principal directions of c (centred) put back exactly.
+- mean_row_plus_randomized16_passes{p}_exact: the same in a 16-dimensional span found by p
+  passes of C^T C over a random start (a randomized range finder), as a kernel could afford.
 - bands_{k}: each row's dropped mass in k bands of positions x each band's mean row.
 - prior_bands_{k}: the same with band means weighted by softmax of the average logit.
 """
@@ -44,6 +46,14 @@ centred = cs - cs.mean(0)
 eigenvalues, eigenvectors = torch.linalg.eigh(centred.double().T @ centred.double())
 principal = eigenvectors.flip(1).float()                    # D x D, by decreasing variance
 RANKS = [4, 16, 64, 256]
+# The same from a randomized range finder: U = orth((C^T C)^q C^T C Omega), q + 1 passes of
+# C^T C over a random Omega (D x r): what a kernel could afford per call.
+randomized = {}
+for q in (0, 1):
+    sketch = centred.T @ (centred @ torch.randn(D, 16, generator=torch.Generator().manual_seed(1)))
+    for _ in range(q):
+        sketch = centred.T @ (centred @ torch.linalg.qr(sketch).Q)
+    randomized[q] = torch.linalg.qr(sketch).Q
 sq = {}
 def add(name, x):
     sq[name] = sq.get(name, 0.0) + float((x.double() ** 2).sum())
@@ -76,6 +86,8 @@ for start in range(0, N, T):
     for rank in RANKS:
         u = principal[:, :rank]
         add(f"mean_row_plus_top{rank}_exact", residual - (residual @ u) @ u.T)
+    for q, u in randomized.items():
+        add(f"mean_row_plus_randomized16_passes{q + 1}_exact", residual - (residual @ u) @ u.T)
     for k in BANDS:
         mk = torch.zeros(pd.shape[0], k).index_add_(1, band_of[k], pd)
         add(f"bands_{k}", R - mk @ band_mean[k])
