@@ -90,8 +90,7 @@ def linear_cross_entropy_backward(
     correction = None
     if (needs_grad_e and needs_grad_c and host_may_sync(e.device)
             and (keep_tiles or _one_pass_may_pay(num_token_blocks, num_vocab_blocks, grad_c))):
-        table = live_tiles if live_tiles is not None else torch.ones(
-            (num_token_blocks, num_vocab_blocks), dtype=torch.int32, device=e.device)
+        table = _live_table(live_tiles, num_token_blocks, num_vocab_blocks, e.device)
         live_listed = _list_tiles(table)
         # Queued behind the copy of the list lengths: the GPU runs it while the host plans.
         correction = MassCorrection.of(c, prob_scale, shard_mass) if mass_correction else None
@@ -136,7 +135,8 @@ def linear_cross_entropy_backward(
 
     if needs_grad_c:
         if listed is None:  # no pass 1: the live tiles, filtered in pass 2
-            listed = _list_tiles(live_tiles if live_tiles is not None else torch.ones_like(flags))
+            listed = _list_tiles(_live_table(live_tiles, num_token_blocks, num_vocab_blocks,
+                                             e.device))
         tile_lists, read_lengths = listed
         tiles_per_block = read_lengths()
         spare_tiles = _spare_tiles(tiles_per_block, c)
@@ -260,6 +260,14 @@ def _one_pass_backward(plan: OnePassPlan, e, c, target_positions, bias, softcap,
         gradient_times_classifier(spare if in_spare else scratch, chunk_lists, e, vocab_order,
                                   grad_c, grad_bias, vocab_blocks, update,
                                   chunk_slots=in_spare)
+
+
+def _live_table(live_tiles: Optional[torch.Tensor], num_token_blocks: int,
+                num_vocab_blocks: int, device: torch.device) -> torch.Tensor:
+    """The live-tile table, or every tile live when there is none (no filter)."""
+    if live_tiles is not None:
+        return live_tiles
+    return torch.ones((num_token_blocks, num_vocab_blocks), dtype=torch.int32, device=device)
 
 
 def _slot_map(tile_lists: TileLists, num_token_blocks: int) -> torch.Tensor:
