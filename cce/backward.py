@@ -25,11 +25,11 @@ product reads every slot, then dC is written in chunks of vocabulary blocks, eac
 whose rows hold no slot still to be read; the last blocks, whose tiles lie in their own rows, are
 recomputed again into the spare buffer. ``keep_tiles=True`` runs it in a buffer of its own
 wherever the tiles do not fit. Deciding takes one host sync (the live tiles per vocabulary
-block).
+block), during which the GPU computes the filter correction's mean classifier row.
 
 Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; every gradient
 is accumulated in float32 on-chip and written once, without atomics, so the result is
-deterministic.
+deterministic (the filter correction's kept mass is added up atomically, but in integers).
 Label smoothing's rank-one term of G, which has an entry in every tile, is added by the products
 in closed form (:mod:`cce.sparse_tile_matmul`), so it keeps no tile live.
 Tiles that the forward's bounds prove negligible (``live_tiles``) are never recomputed; pass 1
@@ -51,8 +51,7 @@ from cce.gradient_tiles import gradient_tiles, listed_gradient_tiles
 from cce.host_copy import start_host_copy
 from cce.live_lists import TileLists
 from cce.scratch import Scratch, rows_can_hold_segments
-from cce.filter_correction import FilterCorrection
-from cce.sparse_tile_matmul import (RankOneUpdate,
+from cce.sparse_tile_matmul import (MassCorrection, RankOneUpdate,
                                     embeddings_product_programs, gradient_times_classifier,
                                     gradient_times_embeddings, product_programs_per_block)
 from cce.weighting import RankOneTerm
@@ -64,19 +63,20 @@ def linear_cross_entropy_backward(
     prob_scale: torch.Tensor,
     target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
     live_tiles: Optional[torch.Tensor], filter_eps: Optional[float], needs_grad_e: bool,
-    needs_grad_c: bool, correction: Optional[FilterCorrection] = None,
+    needs_grad_c: bool, mass_correction: bool = False,
     rank_one: Optional[RankOneTerm] = None, keep_tiles: bool = False,
-    grad_e_dtype: Optional[torch.dtype] = None,
+    shard_mass: Optional[torch.Tensor] = None, grad_e_dtype: Optional[torch.dtype] = None,
 ) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
     """(dE, dC, dbias), each None when not needed. ``target_positions``: see
     :func:`cce.vocab_order.target_positions`; ``live_tiles``: the live-grid table of tiles that
-    may hold a significant entry (None: every tile may); ``correction``: dE's component along
-    its directions is made exact (:mod:`cce.filter_correction`; with ``filter_eps`` and no
-    softcap); ``rank_one``: the rank-one term of the logits'
+    may hold a significant entry (None: every tile may); ``mass_correction``: dE gets back what
+    the filter dropped, estimated along the mean classifier row (:mod:`cce.sparse_tile_matmul`;
+    needs ``filter_eps`` and no softcap); ``rank_one``: the rank-one term of the logits'
     gradient (label smoothing, :mod:`cce.weighting`), or None; ``keep_tiles``: when both
     gradients are needed and the host may wait, run the one-pass backward with its tiles in a
     buffer of their own even where they do not fit in dC. When ``c`` is one shard of the vocabulary
-    (:mod:`cce.vocab_parallel`), ``lse`` is the whole vocabulary's. ``grad_e_dtype``:
+    (:mod:`cce.vocab_parallel`), ``lse`` is the whole vocabulary's and ``shard_mass`` (float32
+    (N,)) each row's softmax mass in the shard, which the correction needs. ``grad_e_dtype``:
     dE's dtype (default e's; float32 for a dE that is summed over shards)."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
@@ -87,10 +87,13 @@ def linear_cross_entropy_backward(
               if needs_grad_c else None)
     grad_bias = torch.empty_like(bias) if needs_grad_c and bias is not None else None
 
+    correction = None
     if (needs_grad_e and needs_grad_c and host_may_sync(e.device)
             and (keep_tiles or _one_pass_may_pay(num_token_blocks, num_vocab_blocks, grad_c))):
         table = _live_table(live_tiles, num_token_blocks, num_vocab_blocks, e.device)
         live_listed = _list_tiles(table)
+        # Queued behind the copy of the list lengths: the GPU runs it while the host plans.
+        correction = MassCorrection.of(c, prob_scale, shard_mass) if mass_correction else None
         one_pass = _one_pass_plan(live_listed, table, grad_c, vocab_order, keep_tiles)
         if one_pass is not None:
             grad_e = torch.empty((num_tokens, dim), dtype=grad_e_dtype or e.dtype,
@@ -112,12 +115,15 @@ def linear_cross_entropy_backward(
         chunk = _embeddings_chunk(scratch, num_token_blocks, row_segments, dim, e.dtype,
                                   e.device)
         room = _room_after(scratch, chunk * row_segments)
+        if mass_correction and correction is None:
+            correction = MassCorrection.of(c, prob_scale, shard_mass)
         update = RankOneUpdate.for_embeddings(rank_one, c) if rank_one is not None else None
         for first in range(0, num_token_blocks, chunk):
             token_blocks = range(first, min(first + chunk, num_token_blocks))
             gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
                            vocab_order, live_tiles, filter_eps, flags, scratch, token_blocks,
-                           range(num_vocab_blocks), rank_one)
+                           range(num_vocab_blocks),
+                           correction.kept_mass if correction is not None else None, rank_one)
             if needs_grad_c and token_blocks.stop == num_token_blocks:
                 # Pass 1 filtered every tile exactly: its final flags are the tiles pass 2
                 # stores. Listed before the last product, which the GPU runs while the host
@@ -223,7 +229,7 @@ def _one_pass_may_pay(num_token_blocks: int, num_vocab_blocks: int,
 
 def _one_pass_backward(plan: OnePassPlan, e, c, target_positions, bias, softcap, lse,
                        prob_scale, target_scale, vocab_order, filter_eps,
-                       correction: Optional[FilterCorrection], rank_one: Optional[RankOneTerm],
+                       correction: Optional[MassCorrection], rank_one: Optional[RankOneTerm],
                        grad_e: torch.Tensor, grad_c: torch.Tensor,
                        grad_bias: Optional[torch.Tensor]) -> None:
     """Both gradients from one recompute of every live tile: each tile is stored in its slot
@@ -235,9 +241,9 @@ def _one_pass_backward(plan: OnePassPlan, e, c, target_positions, bias, softcap,
     listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
                           vocab_order, filter_eps, scratch, tile_lists,
                           _longest_list(plan.tiles_per_block, all_vocab_blocks), all_vocab_blocks,
-                          rank_one)
+                          correction.kept_mass if correction is not None else None, rank_one)
     gradient_times_embeddings(scratch, plan.live_tiles, c, vocab_order, grad_e,
-                              range(num_token_blocks), correction=correction,
+                              range(num_token_blocks), mass_correction=correction,
                               rank_one=(RankOneUpdate.for_embeddings(rank_one, c)
                                         if rank_one is not None else None),
                               slot_map=_slot_map(tile_lists, num_token_blocks))

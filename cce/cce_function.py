@@ -20,11 +20,10 @@ import triton
 
 from cce.backward import linear_cross_entropy_backward
 from cce.config import check_interpreter_usable, kernel_configs
-from cce.filter_correction import RANK, FilterCorrection, correction_directions
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.live_tiles import live_tiles
-from cce.vocab_order import sort_and_project, target_positions
+from cce.vocab_order import target_positions, vocab_order
 from cce.weighting import LossWeighting, RankOneTerm
 
 
@@ -35,46 +34,28 @@ class ForwardResults(NamedTuple):
     target_logit: torch.Tensor  # float32 (N,)
     lse: torch.Tensor  # float32 (N,)
     tile_bound: Optional[torch.Tensor]  # float32 live-grid table, see cce.lse_forward
-    # The filter correction's inputs (cce.filter_correction), or None: float32 (D, RANK)
-    # directions, (V, RANK) projections of c in position order, float32 (N, RANK + 1) sums.
-    directions: Optional[torch.Tensor] = None
-    projected_classifier: Optional[torch.Tensor] = None
-    projected_sums: Optional[torch.Tensor] = None
 
 
 def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                     targets: torch.Tensor, softcap: Optional[float], records_bounds: bool,
-                    vocab_sorting: bool, *, corrects: bool = False,
-                    logit_sum: Optional[torch.Tensor] = None,
+                    vocab_sorting: bool, *, logit_sum: Optional[torch.Tensor] = None,
                     curvature_sum: Optional[torch.Tensor] = None,
                     class_weight: Optional[torch.Tensor] = None,
                     deterministic: bool = False) -> ForwardResults:
     """Run the forward's kernels: vocabulary order, indexed dot, linear-log-sum-exp.
     ``records_bounds``: a filtering backward will follow, so the forward records the bounds of
     the live grid's tiles (else None) and, with ``vocab_sorting``, sorts the vocabulary first
-    (else the order is None: sorting only serves the backward's skipping). ``corrects``: the
-    backward will apply the filter correction, whose inputs the forward prepares.
-    ``logit_sum``, ``curvature_sum``, ``class_weight``, ``deterministic``: see
+    (else the order is None: sorting only serves the backward's skipping). ``logit_sum``,
+    ``curvature_sum``, ``class_weight``, ``deterministic``: see
     :func:`cce.lse_forward.lse_forward`."""
-    directions = correction_directions(c) if corrects else None
-    order, projected = sort_and_project(e, c, bias, targets,
-                                        sorts=records_bounds and vocab_sorting,
-                                        directions=directions)
-    sums = positions = None
-    if corrects:
-        sums = FilterCorrection.forward_sums(e.shape[0], e.device)
-        positions = target_positions(targets, order)
+    order = vocab_order(e, c, bias, targets) if records_bounds and vocab_sorting else None
     target_logit = indexed_dot(e, c, targets, bias, softcap)
     # The target logits double as lower bounds of the LSE for the tile bounds.
     lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
                                   target_logit if records_bounds else None,
                                   logit_sum=logit_sum, curvature_sum=curvature_sum,
-                                  class_weight=class_weight, deterministic=deterministic,
-                                  projected_classifier=projected, target_positions=positions,
-                                  projected_sums=sums[:, :RANK] if corrects else None)
-    if corrects:
-        FilterCorrection.add_target_probability(sums, target_logit, lse, targets >= 0)
-    return ForwardResults(order, target_logit, lse, tile_bound, directions, projected, sums)
+                                  class_weight=class_weight, deterministic=deterministic)
+    return ForwardResults(order, target_logit, lse, tile_bound)
 
 
 def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
@@ -88,13 +69,11 @@ def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: tor
                       grid.block_vocab, filter_eps)
 
 
-def uses_filter_correction(filter_correction: bool, filter_eps: Optional[float],
-                           softcap: Optional[float], needs_grad: bool, dim: int) -> bool:
-    """Whether the backward makes dE's component along the correction's directions exact:
-    with filtering and no softcap, whose derivative the forward's sums do not carry
-    (:mod:`cce.filter_correction`), and D > 0."""
-    return (filter_correction and filter_eps is not None and softcap is None and needs_grad
-            and dim > 0)
+def uses_mass_correction(filter_correction: bool, filter_eps: Optional[float],
+                         softcap: Optional[float]) -> bool:
+    """Whether dE gets back what the filter dropped: with filtering and no softcap, whose
+    derivative the dropped entries' mass does not carry (:mod:`cce.sparse_tile_matmul`)."""
+    return filter_correction and filter_eps is not None and softcap is None
 
 
 def needs_gradient(*tensors: Optional[torch.Tensor]) -> bool:
@@ -131,13 +110,11 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
                  label_smoothing: float, deterministic: bool, keep_tiles: bool,
                  needs_grad: bool,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                            torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-token loss, lse, vocabulary order, tile bounds, curvature sum, correction directions,
-    projected classifier, projected sums): float32 (N,), float32 (N,), int32 (V,) or empty,
-    float32 live-grid table or empty, float32 (N,) with a softcap, label smoothing and
-    ``needs_grad`` (:meth:`cce.weighting.LossWeighting.rank_one_term`) or empty, and the filter
-    correction's inputs (:class:`ForwardResults`) or empty. Targets are canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token loss, lse, vocabulary order, tile bounds, curvature sum): float32 (N,), float32
+    (N,), int32 (V,) or empty, float32 live-grid table or empty, float32 (N,) with a softcap,
+    label smoothing and ``needs_grad`` (:meth:`cce.weighting.LossWeighting.rank_one_term`) or
+    empty. Targets are canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and
     ``label_smoothing`` as in :mod:`cce.weighting`.
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
     ``filter_correction`` and ``keep_tiles`` are the backward's (see :func:`loss_backward`);
@@ -147,13 +124,10 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  if label_smoothing else None)
     curvature_sum = (torch.zeros_like(logit_sum)
                      if _sums_curvature(softcap, label_smoothing, needs_grad) else None)
-    results = forward_kernels(
+    order, target_logit, lse, tile_bound = forward_kernels(
         e, c, bias, targets, softcap, _records_bounds(filter_eps, needs_grad), vocab_sorting,
-        corrects=uses_filter_correction(filter_correction, filter_eps, softcap, needs_grad,
-                                        e.shape[1]),
         logit_sum=logit_sum, curvature_sum=curvature_sum, class_weight=weight,
         deterministic=deterministic)
-    lse, target_logit = results.lse, results.target_logit
     # lse and the target logit come from different kernels: on a row whose softmax is one-hot
     # to float32 precision their difference can round below 0, which a loss never is.
     cross_entropy = (lse - target_logit).clamp_min(0.0)
@@ -162,12 +136,9 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     cross_entropy = torch.where(lse == float("inf"), float("nan"), cross_entropy)
     loss = LossWeighting(weight, label_smoothing).token_loss(cross_entropy, lse, logit_sum,
                                                               targets, c.shape[0])
-    return (loss, lse, _or_empty(results.order, torch.int32, e.device),
-            _or_empty(results.tile_bound, torch.float32, e.device),
-            _or_empty(curvature_sum, torch.float32, e.device),
-            _or_empty(results.directions, torch.float32, e.device),
-            _or_empty(results.projected_classifier, c.dtype, e.device),
-            _or_empty(results.projected_sums, torch.float32, e.device))
+    return (loss, lse, _or_empty(order, torch.int32, e.device),
+            _or_empty(tile_bound, torch.float32, e.device),
+            _or_empty(curvature_sum, torch.float32, e.device))
 
 
 @loss_forward.register_fake
@@ -178,26 +149,19 @@ def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_s
     grid = kernel_configs(e.dtype).live_grid  # lse_forward's table: one row per token block
     bound_shape = ((triton.cdiv(num_tokens, grid.block_tokens),
                     triton.cdiv(vocab_size, grid.block_vocab)) if records_bounds else (0,))
-    corrects = uses_filter_correction(filter_correction, filter_eps, softcap, needs_grad,
-                                      e.shape[1])
     return (e.new_empty(num_tokens, dtype=torch.float32),
             e.new_empty(num_tokens, dtype=torch.float32),
             e.new_empty(vocab_size if records_bounds and vocab_sorting else 0,
                         dtype=torch.int32),
             e.new_empty(bound_shape, dtype=torch.float32),
             e.new_empty(num_tokens if _sums_curvature(softcap, label_smoothing, needs_grad)
-                        else 0, dtype=torch.float32),
-            e.new_empty((e.shape[1], RANK) if corrects else (0,), dtype=torch.float32),
-            e.new_empty((vocab_size, RANK) if corrects else (0,), dtype=c.dtype),
-            e.new_empty((num_tokens, RANK + 1) if corrects else (0,), dtype=torch.float32))
+                        else 0, dtype=torch.float32))
 
 
 @torch.library.custom_op("cce::loss_backward", mutates_args=())
 def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                   targets: torch.Tensor, weight: Optional[torch.Tensor], lse: torch.Tensor,
                   order: torch.Tensor, tile_bound: torch.Tensor, curvature_sum: torch.Tensor,
-                  directions: torch.Tensor, projected_classifier: torch.Tensor,
-                  projected_sums: torch.Tensor,
                   grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
                   softcap: Optional[float], filter_eps: Optional[float],
                   filter_correction: bool, label_smoothing: float, keep_tiles: bool,
@@ -205,10 +169,8 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` (a None gradient counts as
     0), each empty when not needed (dC and dbias both come with ``needs_grad_c``). ``order``,
-    ``tile_bound``, ``curvature_sum`` and the filter correction's ``directions``,
-    ``projected_classifier`` and ``projected_sums`` (empty without it): from
-    :func:`loss_forward`. ``filter_correction``: with filtering and no softcap, dE's component
-    along the directions is made exact (:mod:`cce.filter_correction`).
+    ``tile_bound`` and ``curvature_sum``: from :func:`loss_forward`. ``filter_correction``: with
+    filtering and no softcap, dE gets back what the filter dropped (:mod:`cce.sparse_tile_matmul`).
     ``keep_tiles``: recompute each live tile once, into memory of its own
     (:func:`cce.backward.linear_cross_entropy_backward`)."""
     order = order if order.numel() else None
@@ -233,13 +195,10 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     live = None
     if tile_bound.numel():
         live = recompute_table(tile_bound, lse, prob_scale, positions, e.dtype, filter_eps)
-    correction = None
-    if directions.numel() and needs_grad_e:
-        correction = FilterCorrection.of(directions, projected_classifier, projected_sums,
-                                         prob_scale, target_scale, positions)
     grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
         e, c, positions, bias, softcap, lse, prob_scale, target_scale, order, live, filter_eps,
-        needs_grad_e=needs_grad_e, needs_grad_c=needs_grad_c, correction=correction,
+        needs_grad_e=needs_grad_e, needs_grad_c=needs_grad_c,
+        mass_correction=uses_mass_correction(filter_correction, filter_eps, softcap),
         rank_one=rank_one, keep_tiles=keep_tiles)
     return (_or_empty(grad_e, e.dtype, e.device), _or_empty(grad_c, c.dtype, c.device),
             _or_empty(grad_bias, c.dtype, c.device))
@@ -267,7 +226,7 @@ def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
 
 @loss_backward.register_fake
 def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum,
-                        directions, projected_classifier, projected_sums, grad_loss, grad_lse, softcap, filter_eps, filter_correction,
+                        grad_loss, grad_lse, softcap, filter_eps, filter_correction,
                         label_smoothing, keep_tiles, needs_grad_e, needs_grad_c):
     return (e.new_empty(e.shape if needs_grad_e else (0,)),
             c.new_empty(c.shape if needs_grad_c else (0,)),
@@ -280,21 +239,22 @@ def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, cur
 def _loss_forward_setup_context(ctx, inputs, output) -> None:
     (e, c, bias, targets, weight, softcap, filter_eps, _, filter_correction, label_smoothing, _,
      keep_tiles, _) = inputs
-    _, lse, *forward_state = output  # order, tile bounds, curvature sum, correction's inputs
-    ctx.mark_non_differentiable(*forward_state)
+    _, lse, order, tile_bound, curvature_sum = output
+    ctx.mark_non_differentiable(order, tile_bound, curvature_sum)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(e, c, bias, targets, weight, lse, *forward_state)
+    ctx.save_for_backward(e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum)
     ctx.options = (softcap, filter_eps, filter_correction, label_smoothing, keep_tiles)
 
 
 def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
-                           grad_lse: Optional[torch.Tensor], *_grad_forward_state):
+                           grad_lse: Optional[torch.Tensor], _grad_order, _grad_tile_bound,
+                           _grad_curvature_sum):
     """Gradients of e, c and bias (None for the targets and the options)."""
-    e, c, bias, targets, weight, lse, *forward_state = ctx.saved_tensors
+    e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum = ctx.saved_tensors
     needs_e, needs_c, needs_bias = ctx.needs_input_grad[:3]
     with torch.no_grad():  # under create_graph=True too: see _differentiable_once
         grad_e, grad_c, grad_bias = loss_backward(
-            e, c, bias, targets, weight, lse, *forward_state, grad_loss,
+            e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum, grad_loss,
             grad_lse, *ctx.options,
             needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
     gradients = _differentiable_once(
@@ -382,6 +342,6 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     arguments = (e, c, bias, targets.contiguous(), weighting.weight, softcap, filter_eps,
                  vocab_sorting, filter_correction, weighting.label_smoothing, deterministic,
                  keep_tiles, needs_grad)
-    loss, lse, *_ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
-                     else loss_forward(*arguments))
+    loss, lse, _, _, _ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
+                          else loss_forward(*arguments))
     return loss, lse

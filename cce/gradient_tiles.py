@@ -6,7 +6,10 @@ exactly (gradient filtering: every entry below ``filter_eps``) and stored in the
 
 - Pass 1 (:func:`gradient_tiles`): one program per tile of the chunk's rows of the live grid.
   Tiles that the forward's bounds prove negligible are skipped without a recompute; ``flags``
-  records which tiles survived the filter and were stored.
+  records which tiles survived the filter and were stored. With ``kept_mass``, it also adds up
+  each row's softmax mass in the stored tiles, for the dE product's estimate of what the filter
+  dropped (:mod:`cce.sparse_tile_matmul`). The sum is in fixed point (units of 2^-62), so that
+  the atomic additions are exact and the result does not depend on their order.
 - Pass 2 (:func:`listed_gradient_tiles`): one program per tile of the chunk's lists, the tiles
   pass 1 stored (:mod:`cce.live_lists`), each stored in a slot of its own, so that the chunk's
   scratch holds only those.
@@ -26,6 +29,9 @@ from cce.live_lists import TileLists
 from cce.scratch import Scratch, segment_offsets
 from cce.weighting import RankOneTerm
 
+KEPT_MASS_ONE = tl.constexpr(2**62)  # a softmax mass m is added up as int64 m * 2^62
+KEPT_MASS_UNIT = tl.constexpr(2.0**-62)
+
 
 @triton.jit
 def store_tile(scratch_ptr, offsets, grad, row_mask, DOT_PRECISION: tl.constexpr):
@@ -37,7 +43,7 @@ def store_tile(scratch_ptr, offsets, grad, row_mask, DOT_PRECISION: tl.constexpr
 def gradient_tiles_kernel(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
     uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, vocab_order_ptr, live_tiles_ptr,
-    flags_ptr, scratch_ptr, pages_ptr,
+    flags_ptr, kept_mass_ptr, scratch_ptr, pages_ptr,
     tile_lists_ptr, tile_counts_ptr, first_slots_ptr,
     num_tokens, vocab_size, dim, num_vocab_blocks,
     first_token_block, first_vocab_block, chunk_token_blocks, chunk_vocab_blocks,
@@ -46,7 +52,7 @@ def gradient_tiles_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
     UNIFORM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr, LISTED: tl.constexpr,
-    SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
+    SUM_KEPT_MASS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -86,7 +92,7 @@ def gradient_tiles_kernel(
                                   BLOCK_VOCAB, SCRATCH_IN_ORDER)
         vocab, vocab_mask = vocab_block_entries(
             vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
-        grad, keep = logit_gradient_tile(
+        grad, keep, row_mass = logit_gradient_tile(
             e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr,
             target_scale_ptr, uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, rows,
             row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
@@ -102,6 +108,12 @@ def gradient_tiles_kernel(
             tl.store(flag_ptr, 1)
         else:
             tl.store(flag_ptr, 0)
+        if SUM_KEPT_MASS:
+            if keep:
+                # A NaN row's dE is NaN through its tiles; its mass must not reach the cast.
+                row_mass = tl.where(row_mass == row_mass, row_mass, 0.0)
+                tl.atomic_add(kept_mass_ptr + rows, (row_mass * KEPT_MASS_ONE).to(tl.int64),
+                              mask=row_mask, sem="relaxed")
     elif not LISTED:
         tl.store(flag_ptr, 0)
 
@@ -112,16 +124,18 @@ def gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Ten
                    vocab_order: Optional[torch.Tensor], live_tiles: Optional[torch.Tensor],
                    filter_eps: Optional[float], flags: torch.Tensor, scratch: Scratch,
                    token_blocks: range, vocab_blocks: range,
+                   kept_mass: Optional[torch.Tensor] = None,
                    rank_one: Optional[RankOneTerm] = None) -> None:
     """Pass 1: store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks),
     whole rows of the grid, in ``scratch`` and set their ``flags`` (int32, one per live-grid
-    tile: 1 = stored). ``target_positions``: see
+    tile: 1 = stored); add the softmax mass of the stored tiles to ``kept_mass`` (int64 (N,),
+    module docstring) when given. ``target_positions``: see
     :func:`cce.vocab_order.target_positions`. ``rank_one``: the gradient's rank-one term (label
     smoothing), which the products add; with a softcap the tiles hold its part that is not
     rank-one (:func:`cce.logit_tile.logit_gradient_tile`)."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
-            rank_one=rank_one)
+            kept_mass=kept_mass, rank_one=rank_one)
 
 
 def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Tensor,
@@ -130,19 +144,21 @@ def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: to
                           target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
                           filter_eps: Optional[float], scratch: Scratch, tile_lists: TileLists,
                           longest_list: int, vocab_blocks: range,
+                          kept_mass: Optional[torch.Tensor] = None,
                           rank_one: Optional[RankOneTerm] = None) -> None:
     """Pass 2: store the listed tiles of ``vocab_blocks`` (``tile_lists``: per vocabulary block,
     the token blocks to store; ``longest_list``: at least the longest of those lists), each in
-    its slot; tiles the filter drops are stored as zeros. ``rank_one``: as in
-    :func:`gradient_tiles`."""
+    its slot; tiles the filter drops are stored as zeros. ``kept_mass`` (when this is the
+    backward's only recompute) and ``rank_one``: as in :func:`gradient_tiles`."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             None, filter_eps, None, scratch, range(0), vocab_blocks, tile_lists=tile_lists,
-            longest_list=longest_list, rank_one=rank_one)
+            longest_list=longest_list, kept_mass=kept_mass, rank_one=rank_one)
 
 
 def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
             tile_lists: Optional[TileLists] = None, longest_list: int = 1,
+            kept_mass: Optional[torch.Tensor] = None,
             rank_one: Optional[RankOneTerm] = None) -> None:
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
@@ -161,7 +177,7 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
                else RankOneTerm(None, None))
     gradient_tiles_kernel[(programs,)](
         e, c, bias, target_positions, lse, prob_scale, target_scale, uniform.scale,
-        uniform.curvature_mean, uniform.weight, vocab_order, live_tiles, flags,
+        uniform.curvature_mean, uniform.weight, vocab_order, live_tiles, flags, kept_mass,
         scratch.buffer, scratch.pages,
         tile_lists.lists if listed else None, tile_lists.counts if listed else None,
         tile_lists.first_slots if listed else None,
@@ -175,6 +191,7 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
         HAS_CLASS_WEIGHT=uniform.weight is not None,
         SORTED=vocab_order is not None,
         SKIP_DEAD_TILES=live_tiles is not None, LISTED=listed,
+        SUM_KEPT_MASS=kept_mass is not None,
         SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),

@@ -119,7 +119,8 @@ def logit_gradient_tile(
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Recompute one tile and return (gradient of the pre-softcap logits in float32, keep).
+    """Recompute one tile and return (gradient of the pre-softcap logits in float32, keep, the
+    softmax mass of each row in the tile).
     ``vocab_block``: the tile's block of vocabulary positions (``vocab`` = the entries at them).
 
     The gradient is ``prob_scale[i] * softmax_ij - target_scale[i] * [j == x_i]``, times the
@@ -178,4 +179,4 @@ def logit_gradient_tile(
                 curvature *= tl.load(class_weight_ptr + vocab, mask=vocab_mask,
                                      other=0.0)[None, :]
             grad -= curvature
-    return grad, keep
+    return grad, keep, tl.sum(probs, axis=1)

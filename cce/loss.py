@@ -117,11 +117,11 @@ def linear_cross_entropy(
             all below it. "auto" is 2^-12 for bfloat16 (finfo(dtype).eps / 32 in general);
             None disables filtering (exact gradients).
         vocab_sorting: order backward tiles by average logit so that skipped tiles are common.
-        filter_correction: with filtering, make the gradient of ``e`` exact along 16
-            directions of ``c`` (its mean row and top principal directions), where what the
-            filter drops adds up on language-model data (not in the paper; the forward sums
-            each row's softmax-weighted projections of ``c``). Not applied with ``softcap``,
-            whose derivative those sums do not carry. False: the paper's filter.
+        filter_correction: with filtering, add what the filter dropped back to the gradient of
+            ``e``, as each row's dropped probability mass times the mean row of ``c`` (not in
+            the paper: it removes most of the filter's error on language-model data, whose
+            classifier rows share a direction). Not applied with ``softcap``, whose derivative
+            the dropped entries' sum does not carry. False: the paper's filter.
         return_lse: also return the log-sum-exp of every row, shape of ``targets`` (of the
             logits alone: ``weight`` and ``label_smoothing`` do not enter it).
         impl: "cce" (Triton kernels on CUDA tensors; on CPU tensors too when

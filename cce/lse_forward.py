@@ -17,9 +17,7 @@ backward's tiles are the same, and the head of the vocabulary, which holds most 
 merged first.
 
 For label smoothing it also adds up each row's (class-weighted) sum of logits, and with a softcap
-of their squared tanh, merged under the same lock as the LSE (:mod:`cce.weighting`). For the
-filter correction it sums each row's ``softmax @ (c U)`` (:mod:`cce.filter_correction`): each
-program its own, normalized by its own LSE, combined after the kernel.
+of their squared tanh, merged under the same lock as the LSE (:mod:`cce.weighting`).
 """
 
 from __future__ import annotations
@@ -54,23 +52,15 @@ def log_probability_bound(row_max, lse_lower, recorded_rows):
     return tl.max(tl.where(recorded_rows, row_max - lse_lower, float("-inf")))
 
 
-
-# Operands of the projection dot for 16-bit inputs: "tf32"; "fp16" and "bf16" for
-# results/dev/h100_projected_dot_operands.py (wrong when D is not a multiple of BLOCK_DIM).
-_PROJECTION_OPERANDS = "tf32"
-
-
 @triton.jit
 def lse_forward_kernel(
     e_ptr, c_ptr, bias_ptr, targets_ptr, target_logit_ptr, vocab_order_ptr, lse_ptr, locks_ptr,
     tile_bound_ptr, split_lse_ptr, class_weight_ptr, logit_sum_ptr, curvature_sum_ptr,
-    projected_classifier_ptr, target_positions_ptr, split_projections_ptr,
     num_tokens, vocab_size, dim, vocab_blocks_per_program,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
     RECORD_TILE_BOUND: tl.constexpr, LOGIT_SUM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     CURVATURE_SUM: tl.constexpr, LIVE_BLOCK_VOCAB: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    PROJECTIONS: tl.constexpr, PROJECTION_PRECISION: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -95,9 +85,6 @@ def lse_forward_kernel(
     running_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     curvature_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
-    if PROJECTIONS > 0:
-        projections = tl.zeros((BLOCK_TOKENS, PROJECTIONS), dtype=tl.float32)
-        target_positions = tl.load(target_positions_ptr + rows, mask=row_mask, other=-1)
     for vocab_block in range(first_vocab_block, last_vocab_block):
         vocab, vocab_mask = vocab_block_entries(
             vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
@@ -138,30 +125,8 @@ def lse_forward_kernel(
         # exp(z - m) as exp2(z * log2(e) - m * log2(e)): one fused multiply-add per entry
         # (exp costs more: 12% of the kernel at D = 640 on an H200, docs/notes/forward.md).
         scaled_max = safe_max * LOG2_E
-        rescale = tl.exp2(running_max * LOG2_E - scaled_max)
-        weights = tl.exp2(logits * LOG2_E - scaled_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(weights, axis=1)
-        if PROJECTIONS > 0:
-            positions = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
-            projected_rows = tl.load(
-                projected_classifier_ptr + positions[:, None] * PROJECTIONS
-                + tl.arange(0, PROJECTIONS)[None, :],
-                mask=(positions < vocab_size)[:, None], other=0.0)
-            # The target's term is added in float32 afterwards: rounded here, p * (c U) would
-            # not cancel against the target's -1 as the stored gradient tile's entry does.
-            others = tl.where(positions[None, :] == target_positions[:, None], 0.0, weights)
-            # float32 (tf32) operands: a 16-bit dot with these 16 columns read shared memory
-            # out of bounds when D is not a multiple of BLOCK_DIM (Triton 3.6, H100).
-            if PROJECTION_PRECISION == "fp16":
-                projections = tl.dot(others.to(tl.float16), projected_rows.to(tl.float16),
-                                     projections * rescale[:, None])
-            elif PROJECTION_PRECISION == "bf16":
-                projections = tl.dot(others.to(tl.bfloat16), projected_rows.to(tl.bfloat16),
-                                     projections * rescale[:, None])
-            else:
-                projections = tl.dot(others, projected_rows.to(tl.float32),
-                                     projections * rescale[:, None],
-                                     input_precision=PROJECTION_PRECISION)
+        running_sum = (running_sum * tl.exp2(running_max * LOG2_E - scaled_max)
+                       + tl.sum(tl.exp2(logits * LOG2_E - scaled_max[:, None]), axis=1))
         running_max = new_max
         if RECORD_TILE_BOUND:
             # Every lower bound of the final LSE known now: merges only ever raise the merged
@@ -184,18 +149,11 @@ def lse_forward_kernel(
     if CURVATURE_SUM:
         curvature_sum = curvature_sum / (softcap * softcap)
 
-    split = tl.program_id(0) // num_token_blocks
-    if DETERMINISTIC or PROJECTIONS > 0:
-        tl.store(split_lse_ptr + split * num_tokens + rows, program_lse, mask=row_mask)
-    if PROJECTIONS > 0:
-        # Normalized by the program's own sum: the wrapper weighs them by exp(own LSE - LSE).
-        own = tl.where(running_sum[:, None] > 0, projections / running_sum[:, None], 0.0)
-        tl.store(split_projections_ptr + (split * num_tokens + rows.to(tl.int64))[:, None]
-                 * PROJECTIONS + tl.arange(0, PROJECTIONS)[None, :], own,
-                 mask=row_mask[:, None])
     if DETERMINISTIC:
         # The returned LSE (and sums): each program's partial, merged in a fixed order
         # afterwards. The locked merge below then only serves the bounds of running programs.
+        split = tl.program_id(0) // num_token_blocks
+        tl.store(split_lse_ptr + split * num_tokens + rows, program_lse, mask=row_mask)
         if LOGIT_SUM:
             num_splits = tl.cdiv(num_vocab_blocks, vocab_blocks_per_program)
             tl.store(split_lse_ptr + (num_splits + split) * num_tokens + rows, logit_sum,
@@ -227,9 +185,6 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 logit_sum: Optional[torch.Tensor] = None,
                 curvature_sum: Optional[torch.Tensor] = None,
                 class_weight: Optional[torch.Tensor] = None, deterministic: bool = False,
-                projected_classifier: Optional[torch.Tensor] = None,
-                target_positions: Optional[torch.Tensor] = None,
-                projected_sums: Optional[torch.Tensor] = None,
                 ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
     """float32 (N,) log-sum-exp of every row and, when ``target_logit`` (float32 (N,), from
     :func:`cce.indexed_dot.indexed_dot`) is given, the float32 table of log-probability bounds
@@ -240,11 +195,6 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     every row (``class_weight``: float32 (V,), None for all 1), for label smoothing
     (:mod:`cce.weighting`); ``curvature_sum`` likewise (with ``logit_sum`` and a softcap)
     ``sum_v class_weight[v] tanh^2`` of the capped logits.
-
-    ``projected_sums``: float32 (N, r), when given, receives every row's
-    ``softmax @ projected_classifier`` without the target's term (``projected_classifier``:
-    (V, r) in c's dtype, rows in position order; ``target_positions``: see
-    :func:`cce.vocab_order.target_positions`; :mod:`cce.filter_correction`).
 
     ``deterministic``: the spin-lock merge's order varies between calls, and with it the LSE's
     last bits; instead, the returned LSE merges every program's partial LSE in a fixed order
@@ -265,19 +215,13 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     lse = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=e.device)
     locks = torch.zeros(num_token_blocks, dtype=torch.int32, device=e.device)
     sums = [total for total in (logit_sum, curvature_sum) if total is not None]
-    projects = projected_sums is not None
-    split_lse = (torch.empty((1 + len(sums) if deterministic else 1, splits, num_tokens),
-                             dtype=torch.float32, device=e.device)
-                 if deterministic or projects else None)
-    split_projections = (torch.empty((splits, num_tokens, projected_sums.shape[1]),
-                                     dtype=torch.float32, device=e.device) if projects else None)
+    split_lse = (torch.empty((1 + len(sums), splits, num_tokens), dtype=torch.float32,
+                             device=e.device) if deterministic else None)
     tile_bound = (torch.empty((num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab)),
                               dtype=torch.float32, device=e.device) if record else None)
     lse_forward_kernel[(num_token_blocks * splits,)](
         e, c, bias, targets, target_logit, vocab_order, lse, locks, tile_bound, split_lse,
-        class_weight, logit_sum, curvature_sum, projected_classifier, target_positions,
-        split_projections,
-        num_tokens, vocab_size, dim,
+        class_weight, logit_sum, curvature_sum, num_tokens, vocab_size, dim,
         vocab_blocks_per_program,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
@@ -285,8 +229,6 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         LOGIT_SUM=logit_sum is not None, HAS_CLASS_WEIGHT=class_weight is not None,
         CURVATURE_SUM=curvature_sum is not None, LIVE_BLOCK_VOCAB=live_grid.block_vocab,
         DETERMINISTIC=deterministic,
-        PROJECTIONS=projected_sums.shape[1] if projects else 0,
-        PROJECTION_PRECISION="ieee" if e.dtype == torch.float32 else _PROJECTION_OPERANDS,
         BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -295,7 +237,4 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         lse = torch.logsumexp(split_lse[0], dim=0)
         for index, total in enumerate(sums, 1):
             total += split_lse[index].sum(dim=0)
-    if projects:
-        share = torch.exp(split_lse[0] - lse)  # each program's share of its rows' softmax
-        projected_sums.copy_(torch.sum(share[:, :, None] * split_projections, dim=0))
     return lse, tile_bound

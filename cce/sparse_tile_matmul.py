@@ -22,10 +22,11 @@ tiles leave out, as it would keep every tile live: a ``RankOneUpdate`` adds its 
 epilogue, in float32 before the output is rounded: ``u (w^T C)`` to dE, ``w (u^T E)`` to dC and
 ``w sum(u)`` to the bias gradient.
 
-Gradient filtering drops entries of G. With a ``FilterCorrection`` (dE only,
-:mod:`cce.filter_correction`), the product also multiplies the kept tiles by the classifier's
-projections ``c U`` and adds ``(exact - kept) U^T`` in the epilogue, so that dE's component
-along the directions U is the exact one.
+Gradient filtering drops entries of G. With a ``MassCorrection`` (dE only), the product adds
+them back as an estimate: each row's dropped probability mass (one minus the kept mass, which
+pass 1 sums, :mod:`cce.gradient_tiles`) times the mean classifier row. The dropped entries are
+many small ones, and language models' classifier rows share a direction, so this removes most
+of the filter's dE error (docs/notes/filtering-accuracy.md).
 """
 
 from __future__ import annotations
@@ -37,13 +38,37 @@ import triton
 import triton.language as tl
 
 from cce.config import dot_precision, kernel_configs, split_count
-from cce.filter_correction import FilterCorrection
+from cce.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.live_lists import TileLists, live_lists
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
 from cce.partial_sums import sum_partials
 from cce.scratch import Scratch, segment_offsets
 from cce.weighted_sum import weighted_sum
 from cce.weighting import RankOneTerm
+
+
+class MassCorrection(NamedTuple):
+    """What the dE product needs to add back what the filter dropped (module docstring)."""
+
+    classifier_mean: torch.Tensor  # float32 (D,): the mean row of c
+    prob_scale: torch.Tensor  # float32 (N,), as in cce.logit_tile.logit_gradient_tile
+    kept_mass: torch.Tensor  # int64 (N,): fixed point, see cce.gradient_tiles
+
+    @classmethod
+    def of(cls, c: torch.Tensor, prob_scale: torch.Tensor,
+           shard_mass: Optional[torch.Tensor] = None) -> "MassCorrection":
+        """Before pass 1, which adds the kept mass up. ``shard_mass``: float32 (N,), each row's
+        softmax mass in c when c is one shard of the vocabulary (None: all of it, 1)."""
+        # A matrix-vector product, not torch.mean: on a GPU, torch's reduction over the rows
+        # stages partial sums in buffers of 120-270 MB at these shapes (H200, measured).
+        row_sum = torch.mv(c.T, c.new_ones(c.shape[0]))
+        kept_mass = torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device)
+        if shard_mass is not None:
+            # Starting from the mass outside the shard, 1 - kept mass is what the filter dropped
+            # in the shard. (A NaN row's gradient is NaN through its tiles anyway.)
+            outside = (1 - shard_mass.double().clamp(0, 1)).nan_to_num(0)
+            kept_mass = (outside * KEPT_MASS_ONE.value).long()
+        return cls(row_sum.float() / c.shape[0], prob_scale, kept_mass)
 
 
 class RankOneUpdate(NamedTuple):
@@ -72,12 +97,12 @@ def sparse_tile_matmul_kernel(
     scratch_ptr, pages_ptr, live_lists_ptr, live_counts_ptr, first_slots_ptr, slot_map_ptr,
     operand_ptr,
     vocab_order_ptr, out_ptr, partial_ptr, grad_bias_ptr,
-    directions_ptr, projected_classifier_ptr, exact_projection_ptr,
+    classifier_mean_ptr, prob_scale_ptr, kept_mass_ptr,
     rank_one_rows_ptr, rank_one_columns_ptr, rank_one_bias_ptr,
     num_tokens, vocab_size, dim, chunk_vocab_blocks, page_stride,
     first_block, num_out_blocks, list_stride, stride_operand_row, stride_operand_dim,
     TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CORRECTION: tl.constexpr, PROJECTIONS: tl.constexpr, RANK_ONE: tl.constexpr, RANK_ONE_ROWS: tl.constexpr,
+    MASS_CORRECTION: tl.constexpr, RANK_ONE: tl.constexpr, RANK_ONE_ROWS: tl.constexpr,
     SPLITS: tl.constexpr, SLOT_MAP: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
     SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
@@ -110,8 +135,6 @@ def sparse_tile_matmul_kernel(
 
     acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
     grad_bias = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
-    if CORRECTION:
-        kept_projection = tl.zeros((BLOCK_ROWS, PROJECTIONS), dtype=tl.float32)
     for position in range(list_start, list_end):
         other_block = tl.load(live_lists_ptr + out_block * list_stride + position)
         if TRANSPOSED:
@@ -147,28 +170,18 @@ def sparse_tile_matmul_kernel(
                 operand_ptr + vocab.to(tl.int64)[:, None] * stride_operand_row
                 + out_dims[None, :] * stride_operand_dim,
                 mask=vocab_mask[:, None] & out_mask[None, :], other=0.0)
-            if CORRECTION:
-                positions = other_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
-                projected_rows = tl.load(
-                    projected_classifier_ptr + positions[:, None] * PROJECTIONS
-                    + tl.arange(0, PROJECTIONS)[None, :],
-                    mask=(positions < vocab_size)[:, None], other=0.0)
-                kept_projection = tile_dot(operand_a, projected_rows, kept_projection,
-                                           DOT_PRECISION)
         acc = tile_dot(operand_a, operand_b, acc, DOT_PRECISION)
 
-    if CORRECTION:
-        # Along the directions, what the kept tiles gave is replaced by the exact projection
-        # (split 0 adds it; every split takes its own kept part away).
-        projection_columns = tl.arange(0, PROJECTIONS)
-        correction = -kept_projection
+    if MASS_CORRECTION:
         if split == 0:
-            correction += tl.load(exact_projection_ptr + out_rows.to(tl.int64)[:, None]
-                                  * PROJECTIONS + projection_columns[None, :],
-                                  mask=row_mask[:, None], other=0.0)
-        directions = tl.load(directions_ptr + out_dims[None, :] * PROJECTIONS
-                             + projection_columns[:, None], mask=out_mask[None, :], other=0.0)
-        acc = tl.dot(correction, directions, acc, input_precision="ieee")
+            # The filter dropped prob_scale * (1 - kept mass) of each row's gradient (the
+            # targets' tiles are never dropped). 1 - kept mass in fixed point: exact.
+            kept_mass = tl.load(kept_mass_ptr + out_rows, mask=row_mask, other=0)
+            dropped_mass = (kept_mass - KEPT_MASS_ONE).to(tl.float32) * -KEPT_MASS_UNIT
+            prob_scale = tl.load(prob_scale_ptr + out_rows, mask=row_mask, other=0.0)
+            dropped = prob_scale * dropped_mass
+            classifier_mean = tl.load(classifier_mean_ptr + out_dims, mask=out_mask, other=0.0)
+            acc += dropped[:, None] * classifier_mean[None, :]
 
     if RANK_ONE:
         if split == 0:
@@ -199,20 +212,19 @@ def sparse_tile_matmul_kernel(
 def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Tensor,
                               vocab_order: Optional[torch.Tensor], grad_e: torch.Tensor,
                               token_blocks: range, room: Optional[torch.Tensor] = None,
-                              correction: Optional[FilterCorrection] = None,
+                              mass_correction: Optional[MassCorrection] = None,
                               rank_one: Optional[RankOneUpdate] = None,
                               slot_map: Optional[torch.Tensor] = None) -> None:
     """``grad_e[rows of token_blocks] = G @ c`` for a chunk of whole rows of the tile grid
-    (pass 1: stored whole rows of the grid, ``flags`` say which tiles hold something), with its
-    component along the directions made exact when ``correction`` is given
-    (:mod:`cce.filter_correction`), plus ``rank_one`` (:meth:`RankOneUpdate.for_embeddings`)
-    when given.
+    (pass 1: stored whole rows of the grid, ``flags`` say which tiles hold something), plus the
+    filtered mass along the mean row of c when ``mass_correction`` is given, plus ``rank_one``
+    (:meth:`RankOneUpdate.for_embeddings`) when given.
     ``room``: free float32 memory for the partial sums of a split product. ``slot_map``: int32
     (token blocks, vocabulary blocks), the slot of each flagged tile when the tiles are stored
     in slots (as for the dC product) rather than as whole rows of the grid."""
     lists, counts = live_lists(flags[token_blocks.start:token_blocks.stop])
     _launch(scratch, lists, counts, None, c, vocab_order, grad_e, None, token_blocks.start,
-            flags.shape[1], transposed=False, room=room, correction=correction,
+            flags.shape[1], transposed=False, room=room, mass_correction=mass_correction,
             rank_one=rank_one, slot_map=slot_map)
 
 
@@ -262,7 +274,7 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             vocab_order: Optional[torch.Tensor], out: torch.Tensor,
             grad_bias: Optional[torch.Tensor], first_block: int, chunk_vocab_blocks: int,
             transposed: bool, room: Optional[torch.Tensor] = None,
-            correction: Optional[FilterCorrection] = None,
+            mass_correction: Optional[MassCorrection] = None,
             rank_one: Optional[RankOneUpdate] = None,
             slot_map: Optional[torch.Tensor] = None, chunk_slots: bool = True) -> None:
     configs = kernel_configs(operand.dtype)
@@ -282,20 +294,18 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             partial = torch.empty((splits, rows, dim), dtype=torch.float32, device=out.device)
     num_tokens = out.shape[0] if not transposed else operand.shape[0]
     vocab_size = out.shape[0] if transposed else operand.shape[0]
-    projections = correction or FilterCorrection(None, None, None)  # None: unused pointers
+    correction = mass_correction or MassCorrection(None, None, None)  # None: unused pointers
     update = rank_one or RankOneUpdate(None, None, None)
     sparse_tile_matmul_kernel[(programs * splits,)](
         scratch.buffer, scratch.pages, lists, counts, first_slots, slot_map, operand,
         vocab_order, out,
-        partial, grad_bias, projections.directions, projections.projected_classifier,
-        projections.exact_projection, update.row_factor, update.column_vector, update.bias_factor,
+        partial, grad_bias, correction.classifier_mean, correction.prob_scale,
+        correction.kept_mass, update.row_factor, update.column_vector, update.bias_factor,
         num_tokens, vocab_size, dim, chunk_vocab_blocks,
         scratch.page_stride, first_block, num_out_blocks,
         lists.stride(0), operand.stride(0), operand.stride(1),
         TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
-        CORRECTION=correction is not None,
-        PROJECTIONS=correction.directions.shape[1] if correction is not None else 16,
-        RANK_ONE=rank_one is not None,
+        MASS_CORRECTION=mass_correction is not None, RANK_ONE=rank_one is not None,
         RANK_ONE_ROWS=update.row_factor is not None, SPLITS=splits,
         SLOT_MAP=slot_map is not None, CHUNK_SLOTS=chunk_slots,
         SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,

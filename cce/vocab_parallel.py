@@ -33,12 +33,11 @@ import torch.distributed as dist
 from cce.backward import linear_cross_entropy_backward
 from cce.baselines import materialized_logits
 from cce.cce_function import (needs_gradient, recompute_table, tokenless_loss,
-                               uses_filter_correction)
+                               uses_mass_correction)
 from cce.config import check_interpreter_usable, interpreting
-from cce.filter_correction import RANK, FilterCorrection, correction_directions
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
-from cce.vocab_order import sort_and_project, target_positions
+from cce.vocab_order import target_positions, vocab_order
 
 # The implementations that run vocabulary-parallel: the kernels, and materialized local logits
 # (a reference whose backward is autograd's).
@@ -176,41 +175,29 @@ class VocabParallelFunction(torch.autograd.Function):
                 needs_grad: bool):
         records_bounds = needs_grad and filter_eps is not None
         # The order and the bounds are over the rows with a loss, wherever their target is:
-        # sort_and_project and lse_forward only read which targets are ignored (-1).
-        directions = sums = None
-        if uses_filter_correction(filter_correction, filter_eps, softcap, needs_grad,
-                                  e.shape[1]):
-            # The shard's own directions: each shard corrects its own share of dE.
-            directions = correction_directions(c)
-            sums = FilterCorrection.forward_sums(e.shape[0], e.device)
-        order, projected = sort_and_project(e, c, bias, targets,
-                                            sorts=records_bounds and vocab_sorting,
-                                            directions=directions)
+        # vocab_order and lse_forward only read which targets are ignored (-1).
+        order = vocab_order(e, c, bias, targets) if records_bounds and vocab_sorting else None
         target_logit = indexed_dot(e, c, local_targets, bias, softcap)  # 0 off the shard
         dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
-        local_lse, tile_bound = lse_forward(
-            e, c, bias, softcap, targets, order, target_logit if records_bounds else None,
-            projected_classifier=projected,
-            target_positions=target_positions(local_targets, order) if sums is not None else None,
-            projected_sums=sums[:, :RANK] if sums is not None else None)
+        local_lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
+                                            target_logit if records_bounds else None)
         lse = _global_lse(local_lse, group)
-        if sums is not None:
-            sums[:, :RANK] *= torch.exp(local_lse - lse)[:, None]  # the shard's softmax share
-            FilterCorrection.add_target_probability(sums, target_logit, lse, local_targets >= 0)
         # As on one GPU: a row with an infinite logit has a NaN loss, as in PyTorch.
         token_loss = torch.where(lse == float("inf"), float("nan"), lse - target_logit)
         loss = torch.where(targets >= 0, token_loss, 0.0)
+        mass_correction = uses_mass_correction(filter_correction, filter_eps, softcap)
+        shard_mass = torch.exp(local_lse - lse) if mass_correction and needs_grad else None
         ctx.save_for_backward(e, c, bias, targets, local_targets, lse, order, tile_bound,
-                              directions, projected, sums)
+                              shard_mass)
         ctx.group = group
         ctx.softcap = softcap
         ctx.filter_eps = filter_eps
+        ctx.mass_correction = mass_correction
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
-        (e, c, bias, targets, local_targets, lse, order, tile_bound, directions, projected,
-         sums) = ctx.saved_tensors
+        e, c, bias, targets, local_targets, lse, order, tile_bound, shard_mass = ctx.saved_tensors
         # The softmax part of the gradient is every row's with a loss or an lse gradient; the
         # target part only the shard's targets' (positions -1 elsewhere).
         target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
@@ -225,14 +212,11 @@ class VocabParallelFunction(torch.autograd.Function):
             covered = torch.where((targets >= 0) & (positions < 0), 0.0, prob_scale)
             live = recompute_table(tile_bound, lse, covered, positions, e.dtype, ctx.filter_eps)
         needs_grad_e = ctx.needs_input_grad[0]
-        correction = (FilterCorrection.of(directions, projected, sums, prob_scale, target_scale,
-                                          positions)
-                      if directions is not None and needs_grad_e else None)
         grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
             e, c, positions, bias, ctx.softcap, lse, prob_scale, target_scale, order, live,
             ctx.filter_eps, needs_grad_e=needs_grad_e,
             needs_grad_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
-            correction=correction,
+            mass_correction=ctx.mass_correction, shard_mass=shard_mass,
             grad_e_dtype=torch.float32 if needs_grad_e else None)
         if grad_e is not None:
             dist.all_reduce(grad_e, op=dist.ReduceOp.SUM, group=ctx.group)

@@ -200,9 +200,9 @@ def test_one_frozen_input(frozen: str, device: str, gen: torch.Generator) -> Non
 
 
 def test_backward_is_deterministic(device: str, gen: torch.Generator) -> None:
-    """The backward has no floating-point atomics, so two backward passes of one forward give
-    bit-identical gradients. (The forward's LSE merges under a lock in arrival order, so two
-    forwards may differ in the last bit.)"""
+    """The backward's only atomics add integers (the filter correction's kept mass, in fixed
+    point), so two backward passes of one forward give bit-identical gradients. (The forward's
+    LSE merges under a lock in arrival order, so two forwards may differ in the last bit.)"""
     vocab, dim = _shape(torch.bfloat16)
     inputs = make_inputs(gen, device, torch.bfloat16, shape=(N,), vocab=vocab, dim=dim)
     e = inputs.e.detach().requires_grad_()
@@ -266,14 +266,14 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
     vocab, dim = _shape(torch.bfloat16)
     e, c, targets = peaked_inputs(gen, device, N, vocab, dim)
     e, c = e.bfloat16(), c.bfloat16()
-    _, lse, order, tile_bound, *rest = loss_forward(
+    _, lse, order, tile_bound, curvature_sum = loss_forward(
         e, c, None, targets, None, None, 2.0**-12, True, True, 0.0, False, False, True)
     grad_loss = torch.rand(N, generator=gen).to(device)
 
     def grad_c(with_grad_e: bool) -> "tuple[torch.Tensor, int]":
         listed.clear()
         _, gradient, _ = loss_backward(e, c, None, targets, None, lse, order, tile_bound + 4.0,
-                                       *rest, grad_loss, None, None, 2.0**-12, True, 0.0,
+                                       curvature_sum, grad_loss, None, None, 2.0**-12, True, 0.0,
                                        False, needs_grad_e=with_grad_e, needs_grad_c=True)
         return gradient, sum(int(args[11].counts.sum()) for args in listed)
 
