@@ -1,0 +1,44 @@
+"""Where the dE product loop loses time: cce's loop (de_prefetch AHEAD=0) on operands that are
+made cheaper one at a time (H100 study)."""
+import json, os, sys
+import torch, triton
+sys.path.insert(0, os.path.dirname(__file__))
+from h100_de_product_study import run, ms
+
+rows = []
+n, v, d, kept = 4096, 128256, 4096, 0.45
+g = torch.Generator(device="cuda").manual_seed(0)
+vb, tb = triton.cdiv(v, 128), triton.cdiv(n, 128)
+scratch = torch.randn(n * vb * 128, device="cuda", generator=g).to(torch.bfloat16)
+c = torch.randn(v, d, device="cuda", generator=g).to(torch.bfloat16)
+perm = torch.randperm(v, device="cuda", generator=g)
+flags = torch.rand(tb, vb, device="cuda", generator=g) < kept
+def lists_of(flags):
+    counts = flags.sum(1).int()
+    lists = torch.zeros(flags.shape, dtype=torch.int32, device="cuda")
+    for i in range(flags.shape[0]):
+        idx = flags[i].nonzero().flatten().int()
+        lists[i, :idx.numel()] = idx
+    return lists, counts
+lists, counts = lists_of(flags)
+cases = {
+    "cce_loop": (lists, counts, perm),
+    "order_identity": (lists, counts, torch.arange(v, device="cuda")),
+    "c_rows_in_l2 (order -> first 4096 rows)": (lists, counts, perm % 4096),
+    "a_tiles_in_l2 (every list entry 0..15)": (lists % 16, counts, perm),
+    "both_in_l2": (lists % 16, counts, perm % 4096),
+}
+out = torch.empty(n, d, device="cuda", dtype=torch.bfloat16)
+flop = 2 * counts.sum().item() * 128 * 128 * d
+for name, (ls, cs, order) in cases.items():
+    for stages, bo in ((2, 256), (3, 128)):
+        run(0, scratch, ls, cs, c, order, out, n, stages, None, block_out=bo)
+        t = ms(lambda: run(0, scratch, ls, cs, c, order, out, n, stages, None, block_out=bo))
+        rows.append({"case": name, "stages": stages, "block_out": bo, "ms": t, "tflops": flop / t / 1e9})
+        print(rows[-1], flush=True)
+a = torch.randn(n, int(counts.float().mean().item()) * 128, device="cuda").bfloat16()
+bm = torch.randn(a.shape[1], d, device="cuda").bfloat16()
+t = ms(lambda: a @ bm)
+rows.append({"case": "cublas same work", "ms": t, "tflops": 2 * a.shape[0] * a.shape[1] * d / t / 1e9})
+print(rows[-1])
+json.dump(rows, open(os.environ.get("OUT", ".") + "/de_isolate.json", "w"), indent=1)
