@@ -1,4 +1,4 @@
-"""Where the dE product loop loses time: cce's loop (de_prefetch AHEAD=0) on operands that are
+"""Where the dE product loop loses time: cce's loop (h100_de_product_study AHEAD=0) on operands that are
 made cheaper one at a time (H100 study)."""
 import json, os, sys
 import torch, triton
