@@ -236,10 +236,14 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
     return rows, summary
 
 
-def run(quick: bool, out_dir: Path, repeats: Optional[int] = None) -> WrittenResults:
+def run(quick: bool, out_dir: Path, repeats: Optional[int] = None,
+        shape_names: Optional[list[str]] = None) -> WrittenResults:
+    """``shape_names``: a subset of SHAPES' names (None: all)."""
     if not ON_GPU:
         raise SystemExit("experiments.roofline needs a CUDA device (it times GPU kernels)")
     shapes = QUICK_SHAPES if quick else SHAPES
+    if shape_names:
+        shapes = tuple(s for s in shapes if s[0] in shape_names)
     repeats = repeats or 10
     warmup = 3
     bandwidth = copy_bandwidth_gbs(warmup, repeats)
@@ -271,8 +275,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--quick", action="store_true", help="one tiny shape")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--shapes", nargs="+", choices=[s[0] for s in SHAPES], metavar="SHAPE",
+                        help="a subset of the shapes (default: all): "
+                             + ", ".join(s[0] for s in SHAPES))
     args = parser.parse_args(argv)
-    written = run(args.quick, args.out, args.repeats)
+    written = run(args.quick, args.out, args.repeats, args.shapes)
     print(written.markdown)
 
 
