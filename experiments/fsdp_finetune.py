@@ -37,7 +37,6 @@ import gc
 import math
 import os
 import statistics
-import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,7 +50,7 @@ from experiments.alpaca_data import IGNORE_INDEX, add_data_argument, load_alpaca
 from experiments.alpaca_finetune import (FINAL_STEPS, MAX_GRAD_NORM, REAL_MODEL, SETUPS,
                                          TINY_MODEL, WARMUP_RATIO, load, trainable_examples,
                                          training_batches, training_step)
-from experiments.harness import gather_from_ranks, log, progress, write_results
+from experiments.harness import exit_rank, gather_from_ranks, log, progress, write_results
 
 NAME = "fsdp_finetune"
 FIGURE = "fsdp_finetune.png"
@@ -316,4 +315,4 @@ def plot(runs: list[RunResult], reference: dict[int, torch.Tensor], path: Path,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -19,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, TypeVar
+from typing import Any, Callable, Iterable, NoReturn, Optional, TypeVar
 
 import torch
 
@@ -427,6 +427,16 @@ def gather_from_ranks(value: float, device: torch.device) -> list[float]:
     table[dist.get_rank()] = value
     dist.all_reduce(table)
     return table.tolist()
+
+
+def exit_rank(status: int) -> NoReturn:
+    """End a rank's process with ``status`` once its process group is destroyed, skipping the
+    interpreter's teardown: in a process that made a DTensor over gloo, torch's exit-time
+    destructors abort now and then ("terminate called without an active exception", torch
+    2.13 on the CPU), which would fail a run that has already written its results."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def progress(items: Iterable[T], description: str, total: Optional[int] = None,

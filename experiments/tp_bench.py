@@ -55,7 +55,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cce
-from experiments.harness import add_sections, gather_from_ranks, markdown_table, write_results
+from experiments.harness import (add_sections, exit_rank, gather_from_ranks, markdown_table,
+                                 write_results)
 from experiments.synthetic import lm_like_inputs
 
 MIB = 2**20
@@ -469,4 +470,4 @@ def plot(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from experiments.harness import exit_rank
+
 # A collective that waits longer than this raises in the ranks that wait.
 COLLECTIVE_TIMEOUT_S = 120
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,12 +70,7 @@ def _rank_main(rank: int, world_size: int, init_method: str, worker: Callable[..
         worker(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
-    # The worker passed. Skip the interpreter's teardown: in a process that made a DTensor,
-    # torch's exit-time destructors abort now and then after the group is destroyed
-    # ("terminate called without an active exception"; torch 2.13, gloo, no cce involved).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank(0)  # the worker passed
 
 
 def run_torchrun(module: str, arguments: list[str], nproc: int, timeout_s: float,
