@@ -5,7 +5,7 @@ import json, os, sys
 import torch, triton
 import triton.language as tl
 sys.path.insert(0, os.path.dirname(__file__))
-from h100_de_product_study import run, ms
+from h100_de_product_study import run, ms, synthetic_chunk
 
 
 @triton.jit
@@ -26,17 +26,7 @@ def dense_mm(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, B
 
 rows = []
 n, v, d, kept = 4096, 128256, 4096, 0.45
-g = torch.Generator(device="cuda").manual_seed(0)
-vb, tb = triton.cdiv(v, 128), triton.cdiv(n, 128)
-scratch = torch.randn(n * vb * 128, device="cuda", generator=g).to(torch.bfloat16)
-c = torch.randn(v, d, device="cuda", generator=g).to(torch.bfloat16)
-perm = torch.randperm(v, device="cuda", generator=g)
-flags = torch.rand(tb, vb, device="cuda", generator=g) < kept
-counts = flags.sum(1).int()
-lists = torch.zeros(flags.shape, dtype=torch.int32, device="cuda")
-for i in range(tb):
-    idx = flags[i].nonzero().flatten().int()
-    lists[i, :idx.numel()] = idx
+scratch, c, perm, flags, lists, counts = synthetic_chunk(n, v, d, kept)
 out = torch.empty(n, d, device="cuda", dtype=torch.bfloat16)
 flop = 2 * counts.sum().item() * 128 * 128 * d
 for name, (ls, order) in {"real": (lists, perm), "both_in_l2": (lists % 16, perm % 4096)}.items():

@@ -1,26 +1,13 @@
 """Where the dE product loop loses time: cce's loop (h100_de_product_study AHEAD=0) on operands that are
 made cheaper one at a time (H100 study)."""
 import json, os, sys
-import torch, triton
+import torch
 sys.path.insert(0, os.path.dirname(__file__))
-from h100_de_product_study import run, ms
+from h100_de_product_study import run, ms, synthetic_chunk
 
 rows = []
 n, v, d, kept = 4096, 128256, 4096, 0.45
-g = torch.Generator(device="cuda").manual_seed(0)
-vb, tb = triton.cdiv(v, 128), triton.cdiv(n, 128)
-scratch = torch.randn(n * vb * 128, device="cuda", generator=g).to(torch.bfloat16)
-c = torch.randn(v, d, device="cuda", generator=g).to(torch.bfloat16)
-perm = torch.randperm(v, device="cuda", generator=g)
-flags = torch.rand(tb, vb, device="cuda", generator=g) < kept
-def lists_of(flags):
-    counts = flags.sum(1).int()
-    lists = torch.zeros(flags.shape, dtype=torch.int32, device="cuda")
-    for i in range(flags.shape[0]):
-        idx = flags[i].nonzero().flatten().int()
-        lists[i, :idx.numel()] = idx
-    return lists, counts
-lists, counts = lists_of(flags)
+scratch, c, perm, flags, lists, counts = synthetic_chunk(n, v, d, kept)
 cases = {
     "cce_loop": (lists, counts, perm),
     "order_identity": (lists, counts, torch.arange(v, device="cuda")),

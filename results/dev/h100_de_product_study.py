@@ -10,7 +10,7 @@ AHEAD=5: as 4 without masks (full blocks only).
 h100_de_product_expanded.json ran VARIANTS = ((0, 2), (1, 2), (1, 3), (1, 4), (0, 2));
 h100_de_product_halves.json the VARIANTS below.
 """
-import json, os, statistics, sys
+import json, os, statistics
 import torch
 import triton
 import triton.language as tl
@@ -143,23 +143,30 @@ def ms(fn, n=20, w=3):
     return statistics.median(out)
 
 
+def synthetic_chunk(n, v, d, kept):
+    """One chunk's operands: scratch tiles, classifier, a random vocabulary order, and each
+    token block's list of kept vocabulary blocks (a random ``kept`` fraction), seed 0."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    vb, tb = triton.cdiv(v, 128), triton.cdiv(n, 128)
+    scratch = torch.randn(n * vb * 128, device="cuda", generator=g).to(torch.bfloat16)
+    c = torch.randn(v, d, device="cuda", generator=g).to(torch.bfloat16)
+    order = torch.randperm(v, device="cuda", generator=g)
+    flags = torch.rand(tb, vb, device="cuda", generator=g) < kept
+    counts = flags.sum(1).int()
+    lists = torch.zeros(tb, vb, dtype=torch.int32, device="cuda")
+    for i in range(tb):
+        idx = flags[i].nonzero().flatten().int()
+        lists[i, :idx.numel()] = idx
+    return scratch, c, order, flags, lists, counts
+
+
 VARIANTS = ((0, 2), (3, 3), (3, 5), (3, 7), (4, 4), (4, 7), (4, 10), (0, 2))
 if __name__ == "__main__":
     rows = []
     for name, n, v, d, kept in (("llama", 4096, 128256, 4096, 0.45), ("gemma2", 1024, 256000, 2304, 0.26),
                                 ("phi", 2048, 32064, 3072, 0.87), ("gemma3", 512, 262144, 640, 0.25)):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        vb, tb = triton.cdiv(v, 128), triton.cdiv(n, 128)
-        scratch = torch.randn(n * vb * 128, device="cuda", generator=g).to(torch.bfloat16)
-        c = torch.randn(v, d, device="cuda", generator=g).to(torch.bfloat16)
-        order = torch.randperm(v, device="cuda", generator=g)
-        flags = torch.rand(tb, vb, device="cuda", generator=g) < kept
-        counts = flags.sum(1).int()
-        lists = torch.zeros(tb, vb, dtype=torch.int32, device="cuda")
-        for i in range(tb):
-            idx = flags[i].nonzero().flatten().int()
-            lists[i, :idx.numel()] = idx
-        # float64 reference of a few rows
+        scratch, c, order, flags, lists, counts = synthetic_chunk(n, v, d, kept)
+        vb = triton.cdiv(v, 128)
         # expanded vocab rows per listed step: order[list * 128 + ar], -1 past the vocabulary
         pos = lists.long()[:, :, None] * 128 + torch.arange(128, device="cuda")
         padded = torch.cat([order, order.new_full((vb * 128 - v,), -1)])
@@ -189,7 +196,6 @@ if __name__ == "__main__":
         r = slice(0, 64)
         dense = torch.zeros(64, vb * 128, dtype=torch.float64, device="cuda")
         s2 = scratch.view(n, vb, 128)[r].double()
-        dense.view(64, vb, 128)[:] = s2 * flags[0:1].repeat(1, 1).double()[:, :, None] if False else 0
         for rr in range(64):
             f = flags[rr // 128].double()
             dense[rr] = (s2[rr] * f[:, None]).flatten()
