@@ -27,6 +27,7 @@ class KernelConfig:
     block_vocab: int = 0
     block_dim: int = 0  # D slice of each logit-tile product
     block_out: int = 0  # backward: columns of dE / dC that one program owns
+    step_depth: int = 0  # products: entries of the summed dimension per loop step (0: a tile)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -39,6 +40,9 @@ class KernelConfigs:
     gradient_tiles: KernelConfig  # block_dim, warps and stages; the tiles are the live grid's
     softcap_listed_gradient_tiles: KernelConfig  # pass 2's recompute (tiles by list), softcap
     sparse_tile_matmul: KernelConfig  # block_out, warps and stages; rows are the live grid's
+    # Pass 1's dE product when every token, vocabulary and output block is whole (no masks):
+    # step depth, warps and stages (block_out as above). step_depth 0: the product above only.
+    whole_block_embeddings_product: KernelConfig
 
     def __post_init__(self):
         grid = self.live_grid
@@ -54,6 +58,7 @@ _INTERPRETER = KernelConfigs(
     gradient_tiles=KernelConfig(block_dim=32),
     softcap_listed_gradient_tiles=KernelConfig(block_dim=32),
     sparse_tile_matmul=KernelConfig(block_out=64),
+    whole_block_embeddings_product=KernelConfig(step_depth=64),
 )
 _GPU_16BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=128),
@@ -72,6 +77,9 @@ _GPU_16BIT = KernelConfigs(
     # 256 output columns, 2 stages: 14-20% faster than 128 columns with 3 or 4 stages
     # (docs/notes/backward.md).
     sparse_tile_matmul=KernelConfig(block_out=256, num_warps=8, num_stages=2),
+    # Two 64-deep steps per tile and 7 stages: faster for this product only, and only without
+    # masks (docs/notes/backward.md, "Shallower steps").
+    whole_block_embeddings_product=KernelConfig(step_depth=64, num_warps=8, num_stages=7),
 )
 _GPU_32BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=64),
@@ -80,6 +88,7 @@ _GPU_32BIT = KernelConfigs(
     gradient_tiles=KernelConfig(block_dim=32),
     softcap_listed_gradient_tiles=KernelConfig(block_dim=32),
     sparse_tile_matmul=KernelConfig(block_out=64),
+    whole_block_embeddings_product=KernelConfig(),
 )
 
 # Forward programs per streaming multiprocessor: enough to hide the tail of uneven waves,

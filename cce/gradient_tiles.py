@@ -88,10 +88,11 @@ def gradient_tiles_kernel(
         row_mask = rows < num_tokens
         # Where the tile goes, looked up before the tile is computed: afterwards the lookup
         # competes with the tile for registers.
-        offsets = segment_offsets(pages_ptr, segments, row_mask, page_stride, SEGMENTS_PER_PAGE,
-                                  BLOCK_VOCAB, SCRATCH_IN_ORDER)
+        entries = tl.arange(0, BLOCK_VOCAB)
+        offsets = segment_offsets(pages_ptr, segments, entries, row_mask, page_stride,
+                                  SEGMENTS_PER_PAGE, BLOCK_VOCAB, SCRATCH_IN_ORDER)
         vocab, vocab_mask = vocab_block_entries(
-            vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
+            vocab_order_ptr, vocab_block, entries, vocab_size, BLOCK_VOCAB, SORTED)
         grad, keep, row_mass = logit_gradient_tile(
             e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr,
             target_scale_ptr, uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, rows,

@@ -59,12 +59,15 @@ def round_to(x, dtype, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def vocab_block_entries(vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB: tl.constexpr,
-                        SORTED: tl.constexpr):
-    """Vocabulary indices of one block of positions (positions of ``vocab_order`` when sorting)
-    and the mask of those inside the vocabulary."""
-    positions = vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
-    vocab_mask = positions < vocab_size
+def vocab_block_entries(vocab_order_ptr, vocab_block, entries, vocab_size,
+                        BLOCK_VOCAB: tl.constexpr, SORTED: tl.constexpr,
+                        WHOLE_BLOCKS: tl.constexpr = False):
+    """Vocabulary indices of the given ``entries`` (offsets in the block, e.g. all of them:
+    ``tl.arange(0, BLOCK_VOCAB)``) of one block of positions (positions of ``vocab_order`` when
+    sorting), and the mask of those inside the vocabulary (all true, folded away, when every
+    block is whole: ``WHOLE_BLOCKS``)."""
+    positions = vocab_block * BLOCK_VOCAB + entries
+    vocab_mask = (positions < vocab_size) | WHOLE_BLOCKS
     if SORTED:
         vocab = tl.load(vocab_order_ptr + positions, mask=vocab_mask, other=0)
     else:

@@ -86,8 +86,9 @@ def lse_forward_kernel(
     logit_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     curvature_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     for vocab_block in range(first_vocab_block, last_vocab_block):
-        vocab, vocab_mask = vocab_block_entries(
-            vocab_order_ptr, vocab_block, vocab_size, BLOCK_VOCAB, SORTED)
+        vocab, vocab_mask = vocab_block_entries(vocab_order_ptr, vocab_block,
+                                                tl.arange(0, BLOCK_VOCAB), vocab_size,
+                                                BLOCK_VOCAB, SORTED)
         logits = logit_tile(
             e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
             stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,

@@ -26,10 +26,12 @@ import triton.language as tl
 
 
 @triton.jit
-def segment_offsets(pages_ptr, segments, mask, page_stride, SEGMENTS_PER_PAGE: tl.constexpr,
-                    BLOCK_VOCAB: tl.constexpr, IN_ORDER: tl.constexpr):
-    """Element offsets of the (segments x BLOCK_VOCAB) piece of the scratch that holds the given
-    segments (int64). ``IN_ORDER``: the scratch's segments lie in order (:attr:`Scratch.in_order`),
+def segment_offsets(pages_ptr, segments, columns, mask, page_stride,
+                    SEGMENTS_PER_PAGE: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
+                    IN_ORDER: tl.constexpr):
+    """Element offsets of the (segments x columns) piece of the scratch that holds the given
+    segments (int64); ``columns`` are offsets in a segment (all of it: ``tl.arange(0,
+    BLOCK_VOCAB)``). ``IN_ORDER``: the scratch's segments lie in order (:attr:`Scratch.in_order`),
     so the offsets need neither the page table nor a division. ``SEGMENTS_PER_PAGE`` is a
     compile-time constant: dividing by it is a multiply, not a 64-bit division."""
     if IN_ORDER:
@@ -37,7 +39,7 @@ def segment_offsets(pages_ptr, segments, mask, page_stride, SEGMENTS_PER_PAGE: t
     else:
         page = tl.load(pages_ptr + segments // SEGMENTS_PER_PAGE, mask=mask, other=0)
         start = page.to(tl.int64) * page_stride + (segments % SEGMENTS_PER_PAGE) * BLOCK_VOCAB
-    return start[:, None] + tl.arange(0, BLOCK_VOCAB)[None, :]
+    return start[:, None] + columns[None, :]
 
 
 @dataclass(frozen=True)

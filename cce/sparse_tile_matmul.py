@@ -106,7 +106,8 @@ def sparse_tile_matmul_kernel(
     SPLITS: tl.constexpr, SLOT_MAP: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
     SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
-    BLOCK_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, STEPS: tl.constexpr,
+    WHOLE_BLOCKS: tl.constexpr,
 ):
     # Output blocks vary fastest: the programs in flight walk the same operand rows together.
     num_out_chunks = tl.cdiv(dim, BLOCK_OUT)
@@ -114,15 +115,17 @@ def sparse_tile_matmul_kernel(
     out_chunk = (tl.program_id(0) // num_out_blocks) % num_out_chunks
     split = tl.program_id(0) // (num_out_blocks * num_out_chunks)
     out_dims = out_chunk * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    out_mask = out_dims < dim
+    # Masks that whole blocks make all true are folded away at compile time.
+    out_mask = (out_dims < dim) | WHOLE_BLOCKS
     count = tl.load(live_counts_ptr + out_block)
     list_start = split * count // SPLITS
     list_end = (split + 1) * count // SPLITS
     BLOCK_ROWS: tl.constexpr = BLOCK_VOCAB if TRANSPOSED else BLOCK_TOKENS
 
     if TRANSPOSED:
-        vocab, row_mask = vocab_block_entries(
-            vocab_order_ptr, first_block + out_block, vocab_size, BLOCK_VOCAB, SORTED)
+        vocab, row_mask = vocab_block_entries(vocab_order_ptr, first_block + out_block,
+                                              tl.arange(0, BLOCK_VOCAB), vocab_size, BLOCK_VOCAB,
+                                              SORTED, WHOLE_BLOCKS)
         out_rows = vocab
         # Its k-th listed tile is in slot first_slot + k; the chunk's lists are a slice.
         first_slot = tl.load(first_slots_ptr + out_block)
@@ -131,19 +134,28 @@ def sparse_tile_matmul_kernel(
     else:
         chunk_rows = out_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
         out_rows = first_block * BLOCK_TOKENS + chunk_rows
-        row_mask = out_rows < num_tokens
+        row_mask = (out_rows < num_tokens) | WHOLE_BLOCKS
 
     acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
     grad_bias = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
-    for position in range(list_start, list_end):
+    # Each listed tile is multiplied in STEPS slices along the summed dimension, in one flat
+    # loop: shallower steps let the software pipeline keep more of them in flight.
+    DEPTH: tl.constexpr = (BLOCK_TOKENS if TRANSPOSED else BLOCK_VOCAB) // STEPS
+    for step in range(STEPS * list_start, STEPS * list_end):
+        if STEPS == 1:
+            position = step
+            entries = tl.arange(0, DEPTH)
+        else:
+            position = step // STEPS
+            entries = (step % STEPS) * DEPTH + tl.arange(0, DEPTH)
         other_block = tl.load(live_lists_ptr + out_block * list_stride + position)
         if TRANSPOSED:
-            token_rows = other_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-            token_mask = token_rows < num_tokens
-            segments = ((first_slot + position).to(tl.int64) * BLOCK_TOKENS
-                        + tl.arange(0, BLOCK_TOKENS))
-            offsets = segment_offsets(pages_ptr, segments, token_mask, page_stride,
-                                      SEGMENTS_PER_PAGE, BLOCK_VOCAB, SCRATCH_IN_ORDER)
+            token_rows = other_block * BLOCK_TOKENS + entries
+            token_mask = (token_rows < num_tokens) | WHOLE_BLOCKS
+            segments = (first_slot + position).to(tl.int64) * BLOCK_TOKENS + entries
+            offsets = segment_offsets(pages_ptr, segments, tl.arange(0, BLOCK_VOCAB), token_mask,
+                                      page_stride, SEGMENTS_PER_PAGE, BLOCK_VOCAB,
+                                      SCRATCH_IN_ORDER)
             operand_a = tl.trans(tl.load(scratch_ptr + offsets, mask=token_mask[:, None],
                                          other=0.0))
             operand_b = tl.load(
@@ -161,11 +173,12 @@ def sparse_tile_matmul_kernel(
                             + tl.arange(0, BLOCK_TOKENS))
             else:
                 segments = chunk_rows.to(tl.int64) * chunk_vocab_blocks + other_block
-            offsets = segment_offsets(pages_ptr, segments, row_mask, page_stride,
+            offsets = segment_offsets(pages_ptr, segments, entries, row_mask, page_stride,
                                       SEGMENTS_PER_PAGE, BLOCK_VOCAB, SCRATCH_IN_ORDER)
             operand_a = tl.load(scratch_ptr + offsets, mask=row_mask[:, None], other=0.0)
             vocab, vocab_mask = vocab_block_entries(
-                vocab_order_ptr, other_block, vocab_size, BLOCK_VOCAB, SORTED)
+                vocab_order_ptr, other_block, entries, vocab_size, BLOCK_VOCAB, SORTED,
+                WHOLE_BLOCKS)
             operand_b = tl.load(
                 operand_ptr + vocab.to(tl.int64)[:, None] * stride_operand_row
                 + out_dims[None, :] * stride_operand_dim,
@@ -281,6 +294,16 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
     grid, config = configs.live_grid, configs.sparse_tile_matmul
     dim = operand.shape[1]
     num_out_blocks = lists.shape[0]
+    num_tokens = out.shape[0] if not transposed else operand.shape[0]
+    vocab_size = out.shape[0] if transposed else operand.shape[0]
+    block_out = _block_out(dim, operand.dtype)
+    # Whole token, vocabulary and output blocks: measured faster at those shapes only.
+    whole_blocks = (not transposed and slot_map is None
+                    and configs.whole_block_embeddings_product.step_depth > 0
+                    and num_tokens % grid.block_tokens == 0 and vocab_size % grid.block_vocab == 0
+                    and dim % block_out == 0)
+    if whole_blocks:
+        config = configs.whole_block_embeddings_product
     programs = num_out_blocks * product_programs_per_block(dim, operand.dtype)
     rows = num_out_blocks * grid.block_tokens
     room_bytes = room.numel() * 4 if room is not None else 0
@@ -292,8 +315,6 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             partial = room[:splits * rows * dim].view(splits, rows, dim)
         else:
             partial = torch.empty((splits, rows, dim), dtype=torch.float32, device=out.device)
-    num_tokens = out.shape[0] if not transposed else operand.shape[0]
-    vocab_size = out.shape[0] if transposed else operand.shape[0]
     correction = mass_correction or MassCorrection(None, None, None)  # None: unused pointers
     update = rank_one or RankOneUpdate(None, None, None)
     sparse_tile_matmul_kernel[(programs * splits,)](
@@ -310,7 +331,9 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
         SLOT_MAP=slot_map is not None, CHUNK_SLOTS=chunk_slots,
         SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
-        BLOCK_OUT=_block_out(dim, operand.dtype), DOT_PRECISION=dot_precision(operand.dtype),
+        BLOCK_OUT=block_out, DOT_PRECISION=dot_precision(operand.dtype),
+        STEPS=grid.block_vocab // config.step_depth if whole_blocks else 1,
+        WHOLE_BLOCKS=whole_blocks,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if partial is not None:

@@ -105,6 +105,38 @@ def test_split_embeddings_product_matches_reference(dtype: torch.dtype, device: 
     assert sums and set(sums) == {3}
 
 
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1], ids=["plain", "smoothed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_whole_blocks_match_reference(dtype: torch.dtype, label_smoothing: float, device: str,
+                                      gen: torch.Generator, two_passes: None,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """When every token, vocabulary and output block is whole, pass 1's dE product runs without
+    masks and, where its configuration says so (16-bit on a GPU, and in the interpreter), takes
+    each tile in shallower steps: the gradients still match the reference."""
+    configs = kernel_configs(dtype)
+    launches = []
+    kernel = cce.sparse_tile_matmul.sparse_tile_matmul_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs)
+                kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(cce.sparse_tile_matmul, "sparse_tile_matmul_kernel", Recorded())
+    grid = configs.live_grid
+    # D = 2 vocabulary blocks is a multiple of the products' output columns too.
+    inputs = make_inputs(gen, device, dtype, shape=(8 * grid.block_tokens,),
+                         vocab=9 * grid.block_vocab, dim=2 * grid.block_vocab)
+    check("cce", inputs, gen, "mean", label_smoothing=label_smoothing)
+    embeddings = [kw for kw in launches if not kw["TRANSPOSED"]]
+    depth = configs.whole_block_embeddings_product.step_depth
+    assert embeddings and all(kw["WHOLE_BLOCKS"] == (depth > 0) for kw in embeddings)
+    assert all(kw["STEPS"] == (grid.block_vocab // depth if depth else 1) for kw in embeddings)
+    assert not any(kw["WHOLE_BLOCKS"] for kw in launches if kw["TRANSPOSED"])
+
+
 @pytest.mark.parametrize("spare_tiles", [9, 30])
 def test_classifier_chunks_are_the_widest_that_fit(spare_tiles: int,
                                                    gen: torch.Generator) -> None:
