@@ -27,7 +27,8 @@ classifier), and the dE and dC errors against float64 and against torch.compile'
 ``python -m experiments.bench [--quick] [--shapes ...] [--methods ...] [--out DIR]
 [--data PATH] [--repeats N]``; also ``python -m experiments --only bench``. Each shape
 takes minutes on a GPU (torch.compile compiles for each): run a few at a time with ``--shapes``
-and separate ``--out`` folders when a command's time is limited.
+and separate ``--out`` folders when a command's time is limited, then ``python -m
+experiments.bench --merge DIR ... [--out DIR]`` on the same machine writes one report.
 
 :func:`measure_shape` is also what the paper's tables (:mod:`experiments.tables`) measure
 with. It remembers every (shape, method) it measured, so that experiments run in one process
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import sys
 import textwrap
@@ -56,8 +58,8 @@ from experiments.alpaca_data import add_data_argument
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
                                  WrittenResults, add_run_arguments, add_sections, device_label,
-                                 finish, float64_reference, log, measure_loss, progress,
-                                 run_experiment, run_mode, time_fn, write_results)
+                                 environment, finish, float64_reference, log, measure_loss,
+                                 progress, run_experiment, run_mode, time_fn, write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
 NAME = "bench"
@@ -219,12 +221,55 @@ def run(quick: bool, out_dir: Path, shapes: Optional[list[str]] = None,
             shape, methods or shape.methods or list(METHODS), how, data_path=data_path)
         rows += shape_rows
 
+    times = (f"ms, {describe_timing(how)}; fwd with gradients enabled (a training step's "
+             "forward); bwd alone after an untimed forward")
+    return _report(rows, shape_info, times, out_dir)
+
+
+def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
+    """One report from the ``bench.json`` of runs made in turn (a few ``--shapes`` per command
+    where a command's time is limited): their rows and inputs as measured, the ratios and
+    targets over all of them. Each part must come from this device and these versions, and
+    measure shapes no other part does."""
+    here = environment()
+    rows: list[dict[str, Any]] = []
+    shape_info: dict[str, dict[str, Any]] = {}
+    timings = set()
+    dates = []
+    for part in parts:
+        path = Path(part) / f"{NAME}.json"
+        if not path.is_file():
+            raise ValueError(f"--merge: {path} does not exist")
+        results = json.loads(path.read_text())
+        differs = [key for key in ("device", "torch", "triton", "cuda")
+                   if results["environment"].get(key) != here[key]]
+        if differs:
+            raise ValueError(f"--merge: {path} was measured with another {', '.join(differs)} "
+                             f"({', '.join(str(results['environment'].get(k)) for k in differs)}"
+                             f" here: {', '.join(str(here[k]) for k in differs)})")
+        repeated = sorted(set(results["shapes"]) & set(shape_info))
+        if repeated:
+            raise ValueError(f"--merge: {path} measures {', '.join(repeated)} again")
+        shape_info.update(results["shapes"])
+        rows += results["rows"]
+        timings.add(results["meta"]["times"])
+        dates.append(results["environment"]["date"])
+    if len(timings) > 1:
+        raise ValueError(f"--merge: the parts were timed differently: {sorted(timings)}")
+    return _report(rows, shape_info, timings.pop(), out_dir, measured=dates)
+
+
+def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
+            times: str, out_dir: Path, measured: Optional[list[str]] = None
+            ) -> WrittenResults:
+    """Write bench.json, bench.md and bench.png: the rows with their ratios, the inputs and
+    the targets; ``times`` says how the times were measured, ``measured`` when (the dates of
+    merged runs; None: now)."""
     rows = _with_ratios(rows, shape_info)
     targets_report = evaluate_targets(rows, shape_info)
     meta = {
         "dtype": str(DTYPE).removeprefix("torch."),
-        "times": f"ms, {describe_timing(how)}; fwd with gradients enabled (a training step's "
-                 "forward); bwd alone after an untimed forward",
+        "times": times,
         "memory": "peak MB allocated above what was in use before (the inputs): fwd under "
                   "torch.no_grad; fwd_grad with gradients enabled (state saved for the backward "
                   "included); bwd alone, above what is in use after the forward; fwd_bwd with "
@@ -236,6 +281,8 @@ def run(quick: bool, out_dir: Path, shapes: Optional[list[str]] = None,
         "l2_cache_mb": (torch.cuda.get_device_properties(DEVICE).L2_cache_size / MIB
                         if ON_GPU else None),
     }
+    if measured is not None:
+        meta["merged_runs"] = f"{len(measured)} runs, {min(measured)} to {max(measured)}"
     written = write_results(NAME, rows, meta, out_dir)
     written = _add_sections(written, shape_info, targets_report)
     _plot(rows, shape_info, out_dir / f"{NAME}.png")
@@ -679,13 +726,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help=f"methods to run (default: all; only {', '.join(TARGET_METHODS)} "
                              "on the shapes measured for the targets alone), of: "
                              f"{', '.join(repr(m) for m in METHODS)}")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="DIR",
+                        help="measure nothing: write one report from the bench.json in each DIR "
+                             "(runs of a few --shapes each, on this device)")
     add_data_argument(parser)
     add_repeats_argument(parser)
     args = parser.parse_args(argv)
+    if args.merge and (args.shapes or args.methods or args.repeats):
+        parser.error("--merge measures nothing: it takes no --shapes, --methods or --repeats")
     quick, out_dir = run_mode(args)
-    outcome, errors = run_experiment(NAME, out_dir, lambda: run(
-        quick, out_dir, shapes=args.shapes, methods=args.methods, data_path=args.data,
-        repeats=args.repeats))
+    measure = (functools.partial(merge, args.merge, out_dir) if args.merge else
+               functools.partial(run, quick, out_dir, shapes=args.shapes, methods=args.methods,
+                                 data_path=args.data, repeats=args.repeats))
+    outcome, errors = run_experiment(NAME, out_dir, measure)
     return finish([outcome], errors, out_dir)
 
 

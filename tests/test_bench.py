@@ -369,3 +369,41 @@ def test_the_command_lines_methods_win_over_the_shapes(tmp_path: Path,
             assert [row["method"] for row in rows] == methods
     finally:
         bench.forget_measurements()
+
+
+def test_merge_writes_one_report_from_runs_of_a_few_shapes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")  # for bench.png
+    from experiments import bench
+
+    monkeypatch.setattr(bench, "measure_loss",
+                        lambda *args, **kwargs: {"fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_bwd_ms": 3.0})
+    bench.forget_measurements()  # so that the stub's rows serve no other test, nor theirs this
+    try:
+        parts = [tmp_path / shape for shape in ("quick", "quick_frozen")]
+        for part in parts:
+            assert bench.main(["--quick", "--shapes", part.name, "--methods", "cce",
+                               "torch_compile", "--out", str(part)]) == 0
+        assert bench.main(["--merge", *map(str, parts), "--out", str(tmp_path / "all")]) == 0
+    finally:
+        bench.forget_measurements()
+
+    merged = json.loads((tmp_path / "all" / "bench.json").read_text())
+    assert list(merged["shapes"]) == ["quick", "quick_frozen"]
+    assert [(row["shape"], row["method"]) for row in merged["rows"]] == [
+        (shape, method) for shape in ("quick", "quick_frozen")
+        for method in ("cce", "torch_compile")]
+    assert all(row["speedup_vs_compile"] == 1.0 for row in merged["rows"])
+    assert {check["shape"] for check in merged["targets"]} >= {"quick", "quick_frozen"}
+    assert merged["meta"]["merged_runs"].startswith("2 runs, ")
+    assert (tmp_path / "all" / "bench.png").stat().st_size > 0
+
+    with pytest.raises(ValueError, match="quick again"):
+        bench.merge([parts[0], parts[0]], tmp_path / "twice")
+    other = json.loads((parts[1] / "bench.json").read_text())
+    other["environment"]["device"] = "another GPU"
+    (parts[1] / "bench.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="another device"):
+        bench.merge(parts, tmp_path / "mixed")
+    with pytest.raises(SystemExit):
+        bench.main(["--merge", str(parts[0]), "--shapes", "quick"])
