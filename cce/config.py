@@ -43,6 +43,9 @@ class KernelConfigs:
     # Pass 1's dE product when every token, vocabulary and output block is whole (no masks):
     # step depth, warps and stages (block_out as above). step_depth 0: the product above only.
     whole_block_embeddings_product: KernelConfig
+    # The dC product on Hopper GPUs (cce.classifier_product): step depth (0: not used), warps
+    # of its consumer and stages.
+    classifier_product: KernelConfig
 
     def __post_init__(self):
         grid = self.live_grid
@@ -59,6 +62,7 @@ _INTERPRETER = KernelConfigs(
     softcap_listed_gradient_tiles=KernelConfig(block_dim=32),
     sparse_tile_matmul=KernelConfig(block_out=64),
     whole_block_embeddings_product=KernelConfig(step_depth=64),
+    classifier_product=KernelConfig(),
 )
 _GPU_16BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=128),
@@ -80,6 +84,9 @@ _GPU_16BIT = KernelConfigs(
     # Two 64-deep steps per tile and 7 stages: faster for this product only, and only without
     # masks (docs/notes/backward.md, "Shallower steps").
     whole_block_embeddings_product=KernelConfig(step_depth=64, num_warps=8, num_stages=7),
+    # Rows of e by TMA, 64-deep steps in 4 stages (docs/notes/backward.md, "The dC product
+    # with rows of e by TMA").
+    classifier_product=KernelConfig(step_depth=64, num_warps=8, num_stages=4),
 )
 _GPU_32BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=64),
@@ -89,6 +96,7 @@ _GPU_32BIT = KernelConfigs(
     softcap_listed_gradient_tiles=KernelConfig(block_dim=32),
     sparse_tile_matmul=KernelConfig(block_out=64),
     whole_block_embeddings_product=KernelConfig(),
+    classifier_product=KernelConfig(),
 )
 
 # Forward programs per streaming multiprocessor: enough to hide the tail of uneven waves,

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cce import classifier_product
 from cce.config import dot_precision, kernel_configs, split_count
 from cce.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.live_lists import TileLists, live_lists
@@ -250,7 +251,13 @@ def gradient_times_classifier(scratch: Scratch, tile_lists: TileLists, e: torch.
     columns of the tile grid (the tiles of ``tile_lists``, each in its slot), plus ``rank_one``
     (:meth:`RankOneUpdate.for_classifier`) when given. ``chunk_slots``: the scratch holds the
     chunk's tiles from its slot 0 (pass 2); False: every block's tiles, numbered over all blocks
-    (``tile_lists`` is then a slice of lists built for every block)."""
+    (``tile_lists`` is then a slice of lists built for every block). On Hopper GPUs the product
+    is :mod:`cce.classifier_product`'s where it applies."""
+    if classifier_product.usable(e, scratch, grad_bias, rank_one is not None):
+        classifier_product.gradient_times_classifier_tma(
+            scratch, tile_lists, e, vocab_order, grad_c, vocab_blocks, chunk_slots,
+            _block_out(e.shape[1], e.dtype))
+        return
     _launch(scratch, tile_lists.lists, tile_lists.counts, tile_lists.first_slots, e,
             vocab_order, grad_c, grad_bias, vocab_blocks.start, len(vocab_blocks),
             transposed=True, rank_one=rank_one, chunk_slots=chunk_slots)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import cce.backward
+import cce.classifier_product
 import cce.sparse_tile_matmul
 from cce.cce_function import loss_backward, loss_forward
 from cce.config import kernel_configs
@@ -313,6 +314,54 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
     alone, listed_alone = grad_c(with_grad_e=False)
     assert listed_alone > stored_beside > 0
     assert torch.equal(alone, beside)
+
+
+@pytest.mark.parametrize("passes, dim", [("two", 512), ("two", 200), ("one", 512)],
+                         ids=["two-passes-paged", "two-passes-buffer", "one-pass"])
+def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
+        passes: str, dim: int, device: str, gen: torch.Generator,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a Hopper GPU with 16-bit inputs, dC comes from cce.classifier_product, which copies
+    the rows of e by TMA. From the same forward it is the Triton product's dC to the bit: through
+    dC's free rows (paged) and the spare buffer, or through a buffer of its own where D is not a
+    whole number of segments (no one pass then); in two passes and in the one pass's slots;
+    with partial token, vocabulary and output blocks."""
+    if not cce.classifier_product.available(torch.device(device), torch.bfloat16):
+        pytest.skip("needs a Hopper GPU and Triton 3.6")
+    # Small shapes take it too here (it pays only from MIN_TOKENS x MIN_DIM on).
+    monkeypatch.setattr(cce.classifier_product, "MIN_TOKENS", 0)
+    monkeypatch.setattr(cce.classifier_product, "MIN_DIM", 0)
+    if passes == "two":
+        monkeypatch.setattr(cce.backward, "_one_pass_chunks", lambda *args: None)
+    else:
+        monkeypatch.setattr(cce.backward, "_ONE_PASS_MIN_UTILIZATION", 0.0)
+    one_pass = _spy(monkeypatch, "_one_pass_backward")
+    by_tma = []
+    original = cce.classifier_product.gradient_times_classifier_tma
+
+    def spy(*args, **kwargs):
+        by_tma.append(args)
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(cce.classifier_product, "gradient_times_classifier_tma", spy)
+    vocab, _ = _shape(torch.bfloat16)
+    tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7
+    e, c, targets = peaked_inputs(gen, device, tokens, vocab, dim)
+    e, c = e.bfloat16(), c.bfloat16()
+    _, lse, order, tile_bound, curvature_sum = loss_forward(
+        e, c, None, targets, None, None, 2.0**-12, True, True, 0.0, False, False, True)
+    grad_loss = torch.rand(tokens, generator=gen).to(device)
+
+    def grad_c() -> torch.Tensor:
+        _, gradient, _ = loss_backward(e, c, None, targets, None, lse, order, tile_bound,
+                                       curvature_sum, grad_loss, None, None, 2.0**-12, True, 0.0,
+                                       False, needs_grad_e=True, needs_grad_c=True)
+        return gradient
+
+    with_tma = grad_c()
+    assert by_tma and len(one_pass) == (passes == "one")
+    monkeypatch.setattr(cce.classifier_product, "usable", lambda *args: False)
+    assert torch.equal(with_tma, grad_c())
 
 
 @pytest.mark.parametrize("device", [

@@ -1,0 +1,235 @@
+"""Backward, the dC product on Hopper GPUs: ``dC = G^T E`` with the rows of e copied as tiles by
+the tensor memory accelerator (TMA), in a warp-specialized Gluon kernel.
+
+Same work and result as :func:`cce.sparse_tile_matmul.gradient_times_classifier` (one program
+per block of 128 vocabulary positions and BLOCK_OUT columns of dC, walking the list of the
+token blocks whose tiles are stored in its slots), written out by hand:
+
+    producer (4 warps), step k            consumer (8 warps = 2 warp groups), step k
+      wait until stage k % STAGES is free   wait until stage k % STAGES is full
+      DEPTH token rows of the stored tile   acc += tile^T @ rows of e     (wgmma, asynchronous)
+        (cp.async, through the page table)  wait for step k - 1's wgmma
+      DEPTH rows of e (one TMA copy)        free stage (k - 1) % STAGES
+      look up step k + 1's addresses
+
+Why: the products' steps are starved, not the tensor cores. In isolated copies of the dE loop
+(``results/dev/h200_gluon_de_product.*``, H200) neither warp specialization, nor deeper
+pipelines, nor TMA for the stored tiles, nor rows of c in memory order moved the loop much
+(400-500 TFLOP/s at the Llama 3 8B shape); copying the operand whose rows are 512-byte
+pieces by TMA instead of cp.async did (635-688 TFLOP/s, cuBLAS 802). In dE those rows are rows
+of c through the vocabulary order, which TMA cannot gather on Hopper; in dC they are rows of e,
+contiguous. The stored tiles still come by cp.async: their segments lie wherever the page table
+says.
+
+Used where :func:`usable` says so (16-bit inputs on a Hopper GPU with Triton 3.6, at least
+MIN_TOKENS tokens and MIN_DIM columns, no bias gradient or rank-one term);
+:mod:`cce.sparse_tile_matmul` does everything else.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from cce.config import interpreting, kernel_configs
+from cce.live_lists import TileLists
+from cce.scratch import Scratch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                                  tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon: the Triton kernels run instead
+    gluon = None
+
+# The Gluon API changes between Triton releases; this kernel is built and tested on 3.6.
+_TRITON_VERSIONS = ("3.6.",)
+_PRODUCER_WARPS = 4
+_PRODUCER_REGISTERS = 88
+# Where it pays (H200, results/dev/h200_ab_classifier_product.*): at D = 2304-4096 and N = 8192
+# the dC product took 7.7 -> 6.2 ms (2B), 11.1 -> 7.5 (Llama), 4.9 -> 3.5 (Phi); at D = 640
+# 2.7 -> 3.1 ms, and at N = 1024 the product was no faster while the host, which builds a
+# tensor descriptor per launch, added 0.5 ms to the call.
+MIN_DIM = 2048
+MIN_TOKENS = 8192
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this kernel runs for inputs of ``dtype`` on ``device``: a Hopper GPU, Triton 3.6
+    (not its interpreter) and 16-bit inputs."""
+    return (kernel_configs(dtype).classifier_product.step_depth > 0 and gluon is not None
+            and not interpreting() and triton.__version__.startswith(_TRITON_VERSIONS)
+            and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and dtype in (torch.bfloat16, torch.float16))
+
+
+def usable(e: torch.Tensor, scratch: Scratch, grad_bias: Optional[torch.Tensor],
+           has_rank_one: bool) -> bool:
+    """Whether this kernel can compute the dC product of these operands."""
+    return (available(e.device, e.dtype) and grad_bias is None and not has_rank_one
+            and e.shape[0] >= MIN_TOKENS and e.shape[1] >= MIN_DIM
+            # TMA: a 16-byte aligned base and row stride; cp.async: 16-byte segments.
+            and e.stride(1) == 1 and (e.stride(0) * e.element_size()) % 16 == 0
+            and e.data_ptr() % 16 == 0 and scratch.buffer.data_ptr() % 16 == 0
+            and (scratch.page_stride * scratch.buffer.element_size()) % 16 == 0)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _copy_steps(a_smem, b_smem, ready, empty, e_desc, scratch_ptr, pages_ptr, list_base,
+                    first_slot, n_steps, out_chunk, num_tokens, page_stride,
+                    SEGMENTS_PER_PAGE: gl.constexpr, IN_ORDER: gl.constexpr,
+                    BLOCK: gl.constexpr, BLOCK_OUT: gl.constexpr, DEPTH: gl.constexpr,
+                    STAGES: gl.constexpr):
+        """The producer: each step's DEPTH token rows of the stored tile and of e."""
+        STEPS: gl.constexpr = BLOCK // DEPTH
+        # [DEPTH token rows, BLOCK positions], 16 bytes per thread and copy.
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK, BLOCK // 8],
+                                                [gl.num_warps(), 1], [1, 0])
+        rows = gl.arange(0, DEPTH, layout=gl.SliceLayout(1, layout))
+        columns = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, layout))
+        # Step 0's addresses; in the loop, each step looks up the next one's.
+        token_block = gl.load(list_base, mask=n_steps > 0, other=0)
+        segments = first_slot.to(gl.int64) * BLOCK + rows
+        if IN_ORDER:
+            starts = segments * BLOCK
+        else:
+            page = gl.load(pages_ptr + segments // SEGMENTS_PER_PAGE, mask=n_steps > 0, other=0)
+            starts = page.to(gl.int64) * page_stride + (segments % SEGMENTS_PER_PAGE) * BLOCK
+        next_block = gl.load(list_base + 1 // STEPS, mask=n_steps > 1, other=0)
+        for step in range(n_steps):
+            stage = step % STAGES
+            first_token = token_block * BLOCK + (step % STEPS) * DEPTH
+            token_mask = (first_token + rows) < num_tokens
+            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), e_desc.block_type.nbytes)
+            # Rows of e past the last token come as zeros; so do the tile's, which may hold
+            # anything there.
+            tma.async_copy_global_to_shared(e_desc, [first_token, out_chunk * BLOCK_OUT],
+                                            ready.index(stage), b_smem.index(stage))
+            cp.async_copy_global_to_shared(a_smem.index(stage),
+                                           scratch_ptr + starts[:, None] + columns[None, :],
+                                           mask=token_mask[:, None])
+            cp.mbarrier_arrive(ready.index(stage), increment_count=False)
+            # The next step's addresses: its segments follow from its slot, its rows of e from
+            # the list entry loaded a step earlier.
+            following = step + 1
+            token_block = next_block
+            segments = ((first_slot + following // STEPS).to(gl.int64) * BLOCK
+                        + (following % STEPS) * DEPTH + rows)
+            if IN_ORDER:
+                starts = segments * BLOCK
+            else:
+                page = gl.load(pages_ptr + segments // SEGMENTS_PER_PAGE,
+                               mask=following < n_steps, other=0)
+                starts = (page.to(gl.int64) * page_stride
+                          + (segments % SEGMENTS_PER_PAGE) * BLOCK)
+            next_block = gl.load(list_base + (step + 2) // STEPS, mask=step + 2 < n_steps,
+                                 other=0)
+
+    @gluon.jit
+    def _multiply_steps(a_smem, b_smem, ready, empty, n_steps, BLOCK: gl.constexpr,
+                        BLOCK_OUT: gl.constexpr, STAGES: gl.constexpr):
+        """The consumer: two warp groups, 64 positions each, accumulating in float32."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_OUT, 16])
+        acc = gl.zeros([BLOCK, BLOCK_OUT], gl.float32, layout=mma_layout)
+        for step in range(n_steps):
+            stage = step % STAGES
+            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            fence_async_shared()  # the cp.async writes, before the tensor cores read them
+            acc = warpgroup_mma(a_smem.index(stage).permute((1, 0)), b_smem.index(stage), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            # Both warp groups are done with the previous stage: free it.
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=step > 0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return (acc, )
+
+    @gluon.jit
+    def classifier_product_kernel(
+        e_desc, scratch_ptr, pages_ptr, lists_ptr, counts_ptr, first_slots_ptr, vocab_order_ptr,
+        out_ptr, num_tokens, vocab_size, dim, page_stride, first_block, num_out_blocks,
+        list_stride,
+        SORTED: gl.constexpr, CHUNK_SLOTS: gl.constexpr, IN_ORDER: gl.constexpr,
+        SEGMENTS_PER_PAGE: gl.constexpr, BLOCK: gl.constexpr, BLOCK_OUT: gl.constexpr,
+        DEPTH: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+        PRODUCER_REGISTERS: gl.constexpr,
+    ):
+        dtype: gl.constexpr = scratch_ptr.dtype.element_ty
+        # Output blocks vary fastest: the programs in flight read the same rows of e.
+        out_block = gl.program_id(0) % num_out_blocks
+        out_chunk = gl.program_id(0) // num_out_blocks
+        n_steps = gl.load(counts_ptr + out_block) * (BLOCK // DEPTH)
+        # The k-th listed tile is in slot first_slot + k (the chunk's lists are a slice).
+        first_slot = gl.load(first_slots_ptr + out_block)
+        if CHUNK_SLOTS:
+            first_slot -= gl.load(first_slots_ptr)
+        list_base = lists_ptr + out_block * list_stride
+
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DEPTH, BLOCK], dtype)
+        a_smem = gl.allocate_shared_memory(dtype, [STAGES, DEPTH, BLOCK], a_layout)
+        b_smem = gl.allocate_shared_memory(dtype, [STAGES, DEPTH, BLOCK_OUT], e_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(STAGES):
+            # Each producer thread's cp.async arrival, and the TMA copy's expected bytes.
+            mbarrier.init(ready.index(stage), count=PRODUCER_WARPS * 32 + 1)
+            mbarrier.init(empty.index(stage), count=1)
+
+        acc, = gl.warp_specialize(
+            [(_multiply_steps, (a_smem, b_smem, ready, empty, n_steps, BLOCK, BLOCK_OUT,
+                                STAGES)),
+             (_copy_steps, (a_smem, b_smem, ready, empty, e_desc, scratch_ptr, pages_ptr,
+                            list_base, first_slot, n_steps, out_chunk, num_tokens, page_stride,
+                            SEGMENTS_PER_PAGE, IN_ORDER, BLOCK, BLOCK_OUT, DEPTH, STAGES))],
+            [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_OUT, 16])
+        positions = ((first_block + out_block) * BLOCK
+                     + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma_layout)))
+        row_mask = positions < vocab_size
+        if SORTED:
+            vocab = gl.load(vocab_order_ptr + positions, mask=row_mask, other=0)
+        else:
+            vocab = positions
+        out_dims = out_chunk * BLOCK_OUT + gl.arange(0, BLOCK_OUT,
+                                                     layout=gl.SliceLayout(0, mma_layout))
+        gl.store(out_ptr + vocab.to(gl.int64)[:, None] * dim + out_dims[None, :],
+                 acc.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & (out_dims < dim)[None, :])
+
+
+def gradient_times_classifier_tma(scratch: Scratch, tile_lists: TileLists, e: torch.Tensor,
+                                  vocab_order: Optional[torch.Tensor], grad_c: torch.Tensor,
+                                  vocab_blocks: range, chunk_slots: bool,
+                                  block_out: int) -> None:
+    """As :func:`cce.sparse_tile_matmul.gradient_times_classifier` without a bias gradient or
+    rank-one term; the caller checked :func:`usable`."""
+    configs = kernel_configs(e.dtype)
+    config, block = configs.classifier_product, configs.live_grid.block_tokens
+    layout = gl.NVMMASharedLayout.get_default_for(
+        [config.step_depth, block_out], gl.bfloat16 if e.dtype == torch.bfloat16 else gl.float16)
+    e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [config.step_depth, block_out],
+                              layout)
+    lists, counts = tile_lists.lists, tile_lists.counts
+    num_out_blocks = lists.shape[0]
+    programs = num_out_blocks * triton.cdiv(e.shape[1], block_out)
+    classifier_product_kernel[(programs,)](
+        e_desc, scratch.buffer, scratch.pages, lists, counts, tile_lists.first_slots,
+        vocab_order, grad_c, e.shape[0], grad_c.shape[0], e.shape[1], scratch.page_stride,
+        vocab_blocks.start, num_out_blocks, lists.stride(0),
+        SORTED=vocab_order is not None, CHUNK_SLOTS=chunk_slots, IN_ORDER=scratch.in_order,
+        SEGMENTS_PER_PAGE=scratch.segments_per_page, BLOCK=block, BLOCK_OUT=block_out,
+        DEPTH=config.step_depth, STAGES=config.num_stages, PRODUCER_WARPS=_PRODUCER_WARPS,
+        PRODUCER_REGISTERS=_PRODUCER_REGISTERS, num_warps=config.num_warps,
+    )
