@@ -58,7 +58,7 @@ from experiments.alpaca_data import add_data_argument
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
                                  WrittenResults, add_run_arguments, add_sections, device_label,
-                                 environment, finish, float64_reference, log, measure_loss,
+                                 finish, float64_reference, log, measure_loss,
                                  progress, run_experiment, run_mode, time_fn, write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
@@ -229,42 +229,57 @@ def run(quick: bool, out_dir: Path, shapes: Optional[list[str]] = None,
 def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
     """One report from the ``bench.json`` of runs made in turn (a few ``--shapes`` per command
     where a command's time is limited): their rows and inputs as measured, the ratios and
-    targets over all of them. Each part must come from this device and these versions, and
-    measure shapes no other part does."""
-    here = environment()
+    targets over all of them. The parts must come from one device and one set of versions, and
+    measure shapes no other part does; the merge itself may run anywhere (a CPU machine)."""
     rows: list[dict[str, Any]] = []
     shape_info: dict[str, dict[str, Any]] = {}
     timings = set()
-    dates = []
+    environments = []
+    first_meta: dict[str, Any] = {}
     for part in parts:
         path = Path(part) / f"{NAME}.json"
         if not path.is_file():
             raise ValueError(f"--merge: {path} does not exist")
         results = json.loads(path.read_text())
-        differs = [key for key in ("device", "torch", "triton", "cuda")
-                   if results["environment"].get(key) != here[key]]
-        if differs:
-            raise ValueError(f"--merge: {path} was measured with another {', '.join(differs)} "
-                             f"({', '.join(str(results['environment'].get(k)) for k in differs)}"
-                             f" here: {', '.join(str(here[k]) for k in differs)})")
+        env = results["environment"]
+        if not environments:
+            first_meta = results["meta"]
+        else:
+            first = environments[0]
+            differs = [key for key in ("device", "torch", "triton", "cuda")
+                       if env.get(key) != first.get(key)]
+            if differs:
+                raise ValueError(
+                    f"--merge: {path} was measured with another {', '.join(differs)} than "
+                    f"{Path(parts[0]) / f'{NAME}.json'} ({', '.join(str(env.get(k)) for k in differs)}"
+                    f" against {', '.join(str(first.get(k)) for k in differs)})")
         repeated = sorted(set(results["shapes"]) & set(shape_info))
         if repeated:
             raise ValueError(f"--merge: {path} measures {', '.join(repeated)} again")
         shape_info.update(results["shapes"])
         rows += results["rows"]
         timings.add(results["meta"]["times"])
-        dates.append(results["environment"]["date"])
+        environments.append(env)
     if len(timings) > 1:
         raise ValueError(f"--merge: the parts were timed differently: {sorted(timings)}")
-    return _report(rows, shape_info, timings.pop(), out_dir, measured=dates)
+    dates = [env["date"] for env in environments]
+    # Where the parts were measured, as of the last one; the real data's tokenizer version
+    # from whichever part loaded it.
+    measured_in = {**environments[0], "date": max(dates),
+                   "transformers": next((env.get("transformers") for env in environments
+                                         if env.get("transformers")), None)}
+    return _report(rows, shape_info, timings.pop(), out_dir, measured=dates,
+                   measured_in=measured_in, l2_cache_mb=first_meta.get("l2_cache_mb"))
 
 
 def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
-            times: str, out_dir: Path, measured: Optional[list[str]] = None
-            ) -> WrittenResults:
+            times: str, out_dir: Path, measured: Optional[list[str]] = None,
+            measured_in: Optional[dict[str, Any]] = None,
+            l2_cache_mb: Optional[float] = None) -> WrittenResults:
     """Write bench.json, bench.md and bench.png: the rows with their ratios, the inputs and
     the targets; ``times`` says how the times were measured, ``measured`` when (the dates of
-    merged runs; None: now)."""
+    merged runs; None: now), ``measured_in`` and ``l2_cache_mb`` where (merged runs; None:
+    this process's device)."""
     rows = _with_ratios(rows, shape_info)
     targets_report = evaluate_targets(rows, shape_info)
     meta = {
@@ -278,12 +293,13 @@ def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
                   "one e @ c.T",
         "errors": "||x - x64|| / ||x64|| against a float64 reference computed in token "
                   "chunks from the same bfloat16 inputs, reduction='mean'",
-        "l2_cache_mb": (torch.cuda.get_device_properties(DEVICE).L2_cache_size / MIB
+        "l2_cache_mb": (l2_cache_mb if measured_in is not None
+                        else torch.cuda.get_device_properties(DEVICE).L2_cache_size / MIB
                         if ON_GPU else None),
     }
     if measured is not None:
         meta["merged_runs"] = f"{len(measured)} runs, {min(measured)} to {max(measured)}"
-    written = write_results(NAME, rows, meta, out_dir)
+    written = write_results(NAME, rows, meta, out_dir, measured_in=measured_in)
     written = _add_sections(written, shape_info, targets_report)
     _plot(rows, shape_info, out_dir / f"{NAME}.png")
     return written

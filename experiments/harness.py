@@ -383,7 +383,8 @@ def measure_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], t
 def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
                   out_dir: Path = Path("results"), device_dependent: bool = True,
                   group_by: Optional[str] = None,
-                  details: Optional[dict[str, Any]] = None) -> WrittenResults:
+                  details: Optional[dict[str, Any]] = None,
+                  measured_in: Optional[dict[str, Any]] = None) -> WrittenResults:
     """Write ``<out_dir>/<name>.json`` (rows, meta, environment) and ``<out_dir>/<name>.md``.
 
     A row that failed carries an ``"error"`` string; the returned object lists them so that
@@ -391,10 +392,11 @@ def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
     the machine (an analytic model): they carry no CPU-run warning. ``group_by`` names a row
     key whose values become headings, one Markdown table under each, instead of a column.
     ``details`` go to the JSON file only, under "details": data too long for the report
-    (per-step curves).
+    (per-step curves). ``measured_in``: the :func:`environment` of the process that measured
+    the rows, when it was another one (results merged elsewhere); default this one's.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = environment()
+    env = measured_in or environment()
     json_path = out_dir / f"{name}.json"
     contents = {"name": name, "environment": env, "meta": meta, "rows": rows}
     if details is not None:
@@ -476,7 +478,7 @@ def _markdown_report(name: str, rows: list[dict[str, Any]], meta: dict[str, Any]
         versions.insert(1, f"CUDA {env['cuda']}")
     lines = [f"# {name}", "", f"Device: {env['device']} · {' · '.join(versions)} · {env['date']}",
              ""]
-    if device_dependent and not ON_GPU:
+    if device_dependent and env["device"] == "cpu":
         lines += ["> **CPU RUN: THESE ARE NOT GPU TIMINGS.** This machine has no CUDA device; "
                   "the Triton kernels ran in the interpreter"
                   f"{' (TRITON_INTERPRET=1)' if env['triton_interpret'] else ''}. Use these "

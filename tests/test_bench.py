@@ -400,6 +400,16 @@ def test_merge_writes_one_report_from_runs_of_a_few_shapes(
 
     with pytest.raises(ValueError, match="quick again"):
         bench.merge([parts[0], parts[0]], tmp_path / "twice")
+    # Parts measured on a GPU merge on this machine into a report of that GPU.
+    for part in parts:
+        measured = json.loads((part / "bench.json").read_text())
+        measured["environment"]["device"] = "a GPU"
+        (part / "bench.json").write_text(json.dumps(measured))
+    bench.merge(parts, tmp_path / "elsewhere")
+    assert json.loads((tmp_path / "elsewhere" / "bench.json").read_text())[
+        "environment"]["device"] == "a GPU"
+    report = (tmp_path / "elsewhere" / "bench.md").read_text()
+    assert "Device: a GPU" in report and "CPU RUN" not in report
     other = json.loads((parts[1] / "bench.json").read_text())
     other["environment"]["device"] = "another GPU"
     (parts[1] / "bench.json").write_text(json.dumps(other))
