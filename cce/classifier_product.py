@@ -52,10 +52,10 @@ except ImportError:  # a Triton without Gluon: the Triton kernels run instead
 _TRITON_VERSIONS = ("3.6.",)
 _PRODUCER_WARPS = 4
 _PRODUCER_REGISTERS = 88
-# Where it pays (H200, results/dev/h200_ab_classifier_product.*): at D = 2304-4096 and N = 8192
-# the dC product took 7.7 -> 6.2 ms (2B), 11.1 -> 7.5 (Llama), 4.9 -> 3.5 (Phi); at D = 640
-# 2.7 -> 3.1 ms, and at N = 1024 the product was no faster while the host, which builds a
-# tensor descriptor per launch, added 0.5 ms to the call.
+# Where it pays (H200, results/dev/h200_ab_classifier_product_off.* against _on.*): at
+# D = 2304-4096 and N = 8192 the dC product took 7.7 -> 6.2 ms (2B), 11.1 -> 7.5 (Llama),
+# 4.9 -> 3.5 (Phi); at D = 640 2.7 -> 3.1 ms, and at N = 1024 it was no faster while the host,
+# which builds a tensor descriptor per launch, added 0.5 ms to the call.
 MIN_DIM = 2048
 MIN_TOKENS = 8192
 
