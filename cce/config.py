@@ -84,8 +84,8 @@ _GPU_16BIT = KernelConfigs(
     # Two 64-deep steps per tile and 7 stages: faster for this product only, and only without
     # masks (docs/notes/backward.md, "Shallower steps").
     whole_block_embeddings_product=KernelConfig(step_depth=64, num_warps=8, num_stages=7),
-    # Rows of e by TMA, 64-deep steps in 4 stages (docs/notes/backward.md, "The dC product
-    # with rows of e by TMA").
+    # Rows of e by TMA, 64-deep steps in 4 stages (docs/notes/backward.md, "What feeds the
+    # products").
     classifier_product=KernelConfig(step_depth=64, num_warps=8, num_stages=4),
 )
 _GPU_32BIT = KernelConfigs(
