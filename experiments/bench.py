@@ -28,7 +28,7 @@ classifier), and the dE and dC errors against float64 and against torch.compile'
 [--data PATH] [--repeats N]``; also ``python -m experiments --only bench``. Each shape
 takes minutes on a GPU (torch.compile compiles for each): run a few at a time with ``--shapes``
 and separate ``--out`` folders when a command's time is limited, then ``python -m
-experiments.bench --merge DIR ... [--out DIR]`` on the same machine writes one report.
+experiments.bench --merge DIR ... [--out DIR]`` writes one report (on any machine).
 
 :func:`measure_shape` is also what the paper's tables (:mod:`experiments.tables`) measure
 with. It remembers every (shape, method) it measured, so that experiments run in one process
@@ -58,8 +58,8 @@ from experiments.alpaca_data import add_data_argument
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
                                  WrittenResults, add_run_arguments, add_sections, device_label,
-                                 finish, float64_reference, log, measure_loss,
-                                 progress, run_experiment, run_mode, time_fn, write_results)
+                                 finish, float64_reference, log, measure_loss, progress,
+                                 run_experiment, run_mode, time_fn, write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
 NAME = "bench"
@@ -744,7 +744,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                              f"{', '.join(repr(m) for m in METHODS)}")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="DIR",
                         help="measure nothing: write one report from the bench.json in each DIR "
-                             "(runs of a few --shapes each, on this device)")
+                             "(runs of a few --shapes each, on one device)")
     add_data_argument(parser)
     add_repeats_argument(parser)
     args = parser.parse_args(argv)

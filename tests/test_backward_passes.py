@@ -11,6 +11,7 @@ must match the float64 reference whatever the path.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Callable, Optional
 
 import numpy as np
@@ -51,16 +52,16 @@ def two_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cce.backward, "_one_pass_chunks", lambda *args: None)
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list:
-    """Record the calls of ``cce.backward.<name>`` (still calling it)."""
+def _spy(monkeypatch: pytest.MonkeyPatch, name: str, module: ModuleType = cce.backward) -> list:
+    """Record the calls of ``<module>.<name>`` (still calling it)."""
     calls = []
-    original = getattr(cce.backward, name)
+    original = getattr(module, name)
 
     def spy(*args, **kwargs):
         calls.append(args)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(cce.backward, name, spy)
+    monkeypatch.setattr(module, name, spy)
     return calls
 
 
@@ -336,14 +337,7 @@ def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
     else:
         monkeypatch.setattr(cce.backward, "_ONE_PASS_MIN_UTILIZATION", 0.0)
     one_pass = _spy(monkeypatch, "_one_pass_backward")
-    by_tma = []
-    original = cce.classifier_product.gradient_times_classifier_tma
-
-    def spy(*args, **kwargs):
-        by_tma.append(args)
-        original(*args, **kwargs)
-
-    monkeypatch.setattr(cce.classifier_product, "gradient_times_classifier_tma", spy)
+    by_tma = _spy(monkeypatch, "gradient_times_classifier_tma", cce.classifier_product)
     vocab, _ = _shape(torch.bfloat16)
     tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7
     e, c, targets = peaked_inputs(gen, device, tokens, vocab, dim)
