@@ -1,0 +1,85 @@
+"""The one pass's dE product by cce.embeddings_product (Gluon, warp-specialized) against the
+Triton product, forward+backward medians (CUDA events) alternating over ROUNDS rounds on one
+GPU, and the dE product's own time under the profiler (H200 study; writes
+h200_ab_embeddings_product.json).
+
+``h200_ab_embeddings_product_chained_lookups.json`` is the same comparison (with Llama at N =
+2048 too) for a first version of the producer that looked a step's list entry, slot, page and
+rows of c up one after another, one step ahead of its copies.
+
+Run from the repository root: ``python results/dev/h200_ab_embeddings_product.py OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+import cce
+from cce import embeddings_product
+from experiments.harness import environment
+from experiments.synthetic import lm_like_inputs
+
+WARMUP, REPEATS, ROUNDS = 3, 15, 3
+SHAPES = (("llama3_8b", 1024, 128256, 4096), ("llama3_8b", 4096, 128256, 4096),
+          ("llama3_8b", 8192, 128256, 4096), ("gemma2_2b", 2048, 256000, 2304),
+          ("phi3_5_mini", 1024, 32064, 3072))
+
+
+def step(e, c, targets):
+    cce.linear_cross_entropy(e, c, targets).backward()
+    e.grad = c.grad = None
+
+
+def median_ms(e, c, targets):
+    for _ in range(WARMUP):
+        step(e, c, targets)
+    times = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(e, c, targets)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def de_product_ms(e, c, targets):
+    """Profiler time of the sparse products in one call (dE, and dC where it is Triton's)."""
+    step(e, c, targets)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(e, c, targets)
+        torch.cuda.synchronize()
+    return sum(ev.time_range.elapsed_us() for ev in prof.events()
+               if ev.name.startswith(("embeddings_product_kernel", "sparse_tile_matmul_kernel"))
+               and ev.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+
+
+def main(out_dir: Path) -> None:
+    usable = embeddings_product.usable
+    rows = []
+    for name, n, v, d in SHAPES:
+        e, c, targets = lm_like_inputs(n, v, d, seed=1, device="cuda")
+        for round_index in range(ROUNDS):
+            for variant in ("triton", "gluon"):
+                embeddings_product.usable = usable if variant == "gluon" else (lambda *a: False)
+                row = {"shape": name, "N": n, "variant": variant, "round": round_index,
+                       "fwd_bwd_ms": median_ms(e, c, targets),
+                       "sparse_products_ms": de_product_ms(e, c, targets)}
+                print(row, flush=True)
+                rows.append(row)
+        embeddings_product.usable = usable
+        del e, c, targets
+        torch.cuda.empty_cache()
+    (out_dir / "h200_ab_embeddings_product.json").write_text(
+        json.dumps({"environment": environment(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
