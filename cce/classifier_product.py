@@ -3,10 +3,14 @@ the tensor memory accelerator (TMA), in a warp-specialized Gluon kernel.
 
 Same work and result as :func:`cce.sparse_tile_matmul.gradient_times_classifier` (one program
 per block of 128 vocabulary positions and BLOCK_OUT columns of dC, walking the list of the
-token blocks whose tiles are stored in its slots), in the warp-specialized pipeline of
-:mod:`cce.hopper_pipeline`: each DEPTH-deep step, the producer copies DEPTH token rows of the
-stored tile (cp.async, through the page table) and DEPTH rows of e (one TMA copy), and the
-consumer adds ``tile^T @ rows of e``.
+token blocks whose tiles are stored in its slots), written out by hand:
+
+    producer (4 warps), step k            consumer (8 warps = 2 warp groups), step k
+      wait until stage k % STAGES is free   wait until stage k % STAGES is full
+      DEPTH token rows of the stored tile   acc += tile^T @ rows of e     (wgmma, asynchronous)
+        (cp.async, through the page table)  wait for step k - 1's wgmma
+      DEPTH rows of e (one TMA copy)        free stage (k - 1) % STAGES
+      look up step k + 1's addresses
 
 Why: the products' steps are starved, not the tensor cores. In isolated copies of the dE loop
 (``results/dev/h200_gluon_de_product.*``, H200) neither warp specialization, nor deeper
@@ -17,9 +21,10 @@ of c through the vocabulary order, which TMA cannot gather on Hopper; in dC they
 contiguous. The stored tiles still come by cp.async: their segments lie wherever the page table
 says.
 
-Used where :func:`usable` says so (16-bit inputs on a Hopper GPU with Triton 3.6, at least
-MIN_TOKENS tokens and MIN_DIM columns, no bias gradient or rank-one term);
-:mod:`cce.sparse_tile_matmul` does everything else.
+Used where :func:`usable` says so (16-bit inputs on a Hopper GPU with Triton 3.6, no bias
+gradient or rank-one term, rows of e in 16-byte pieces); :mod:`cce.sparse_tile_matmul` does
+everything else. It pays at every benchmark shape and batch size measured, from N = 1024 and D =
+640 up (``docs/notes/backward.md``, "What feeds the products").
 """
 
 from __future__ import annotations
@@ -29,56 +34,71 @@ from typing import Optional
 import torch
 import triton
 
-from cce import hopper_pipeline
-from cce.config import kernel_configs
+from cce.config import interpreting, kernel_configs
 from cce.live_lists import TileLists
 from cce.scratch import Scratch
 
-if hopper_pipeline.gluon is not None:
+try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                                  tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon: the Triton kernels run instead
+    gluon = None
 
-    from cce.hopper_pipeline import accumulator_layout, multiply_steps, segment_starts
-
-# Where it pays (H200, results/dev/h200_ab_classifier_product_off.* against _on.*): at
-# D = 2304-4096 and N = 8192 the dC product took 7.7 -> 6.2 ms (2B), 11.1 -> 7.5 (Llama),
-# 4.9 -> 3.5 (Phi); at D = 640 2.7 -> 3.1 ms, and at N = 1024 it was no faster while the host,
-# which builds a tensor descriptor per launch, added 0.5 ms to the call.
-MIN_DIM = 2048
-MIN_TOKENS = 8192
+# The Gluon API changes between Triton releases; this kernel is built and tested on 3.6.
+_TRITON_VERSIONS = ("3.6.",)
+_PRODUCER_WARPS = 4
+_PRODUCER_REGISTERS = 88
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this kernel runs for inputs of ``dtype`` on ``device``
-    (:func:`cce.hopper_pipeline.available`, and a step depth configured)."""
-    return (kernel_configs(dtype).classifier_product.step_depth > 0
-            and hopper_pipeline.available(device, dtype))
+    """Whether this kernel runs for inputs of ``dtype`` on ``device``: a Hopper GPU, Triton 3.6
+    (not its interpreter) and 16-bit inputs."""
+    return (kernel_configs(dtype).classifier_product.step_depth > 0 and gluon is not None
+            and not interpreting() and triton.__version__.startswith(_TRITON_VERSIONS)
+            and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and dtype in (torch.bfloat16, torch.float16))
 
 
 def usable(e: torch.Tensor, scratch: Scratch, grad_bias: Optional[torch.Tensor],
            has_rank_one: bool) -> bool:
     """Whether this kernel can compute the dC product of these operands."""
     return (available(e.device, e.dtype) and grad_bias is None and not has_rank_one
-            and e.shape[0] >= MIN_TOKENS and e.shape[1] >= MIN_DIM
-            and hopper_pipeline.copyable(e) and hopper_pipeline.scratch_copyable(scratch))
+            # TMA: a 16-byte aligned base and row stride; cp.async: 16-byte segments.
+            and e.stride(1) == 1 and (e.stride(0) * e.element_size()) % 16 == 0
+            and e.data_ptr() % 16 == 0 and scratch.buffer.data_ptr() % 16 == 0
+            and (scratch.page_stride * scratch.buffer.element_size()) % 16 == 0)
 
 
-if hopper_pipeline.gluon is not None:
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _accumulator_layout(num_warps, block_out):
+        """The wgmma accumulator's register layout: the warp groups stacked along the rows."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                         instr_shape=[16, block_out, 16])
 
     @gluon.jit
     def _tile_row_starts(pages_ptr, first_slot, step, rows, n_steps, page_stride,
                          SEGMENTS_PER_PAGE: gl.constexpr, IN_ORDER: gl.constexpr,
                          BLOCK: gl.constexpr, DEPTH: gl.constexpr):
         """Where step ``step``'s DEPTH token rows of the stored tile start: its tile is in slot
-        ``first_slot + step // STEPS``."""
+        ``first_slot + step // STEPS``. (The Gluon twin of :func:`cce.scratch.segment_offsets`,
+        a Triton function, which Gluon cannot call.)"""
         STEPS: gl.constexpr = BLOCK // DEPTH
         segments = ((first_slot + step // STEPS).to(gl.int64) * BLOCK + (step % STEPS) * DEPTH
                     + rows)
-        return segment_starts(pages_ptr, segments, step < n_steps, page_stride,
-                              SEGMENTS_PER_PAGE, BLOCK, IN_ORDER)
+        if IN_ORDER:
+            starts = segments * BLOCK
+        else:
+            page = gl.load(pages_ptr + segments // SEGMENTS_PER_PAGE, mask=step < n_steps,
+                           other=0)
+            starts = page.to(gl.int64) * page_stride + (segments % SEGMENTS_PER_PAGE) * BLOCK
+        return starts
 
     @gluon.jit
     def _copy_steps(a_smem, b_smem, ready, empty, e_desc, scratch_ptr, pages_ptr, list_base,
@@ -119,6 +139,25 @@ if hopper_pipeline.gluon is not None:
                                  other=0)
 
     @gluon.jit
+    def _multiply_steps(a_smem, b_smem, ready, empty, n_steps, BLOCK: gl.constexpr,
+                        BLOCK_OUT: gl.constexpr, STAGES: gl.constexpr):
+        """The consumer: two warp groups, 64 positions each, accumulating in float32."""
+        acc = gl.zeros([BLOCK, BLOCK_OUT], gl.float32,
+                       layout=_accumulator_layout(gl.num_warps(), BLOCK_OUT))
+        for step in range(n_steps):
+            stage = step % STAGES
+            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            fence_async_shared()  # the cp.async writes, before the tensor cores read them
+            acc = warpgroup_mma(a_smem.index(stage).permute((1, 0)), b_smem.index(stage), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            # Both warp groups are done with the previous stage: free it.
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=step > 0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return (acc, )
+
+    @gluon.jit
     def classifier_product_kernel(
         e_desc, scratch_ptr, pages_ptr, lists_ptr, counts_ptr, first_slots_ptr, vocab_order_ptr,
         out_ptr, num_tokens, vocab_size, dim, page_stride, first_block, num_out_blocks,
@@ -150,14 +189,14 @@ if hopper_pipeline.gluon is not None:
             mbarrier.init(empty.index(stage), count=1)
 
         acc, = gl.warp_specialize(
-            [(multiply_steps, (a_smem, b_smem, ready, empty, n_steps, BLOCK, BLOCK_OUT, STAGES,
-                               True)),
+            [(_multiply_steps, (a_smem, b_smem, ready, empty, n_steps, BLOCK, BLOCK_OUT,
+                                STAGES)),
              (_copy_steps, (a_smem, b_smem, ready, empty, e_desc, scratch_ptr, pages_ptr,
                             list_base, first_slot, n_steps, out_chunk, num_tokens, page_stride,
                             SEGMENTS_PER_PAGE, IN_ORDER, BLOCK, BLOCK_OUT, DEPTH, STAGES))],
             [PRODUCER_WARPS], [PRODUCER_REGISTERS])
 
-        mma_layout: gl.constexpr = accumulator_layout(gl.num_warps(), BLOCK_OUT)
+        mma_layout: gl.constexpr = _accumulator_layout(gl.num_warps(), BLOCK_OUT)
         positions = ((first_block + out_block) * BLOCK
                      + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma_layout)))
         row_mask = positions < vocab_size
@@ -193,7 +232,6 @@ def gradient_times_classifier_tma(scratch: Scratch, tile_lists: TileLists, e: to
         vocab_blocks.start, num_out_blocks, lists.stride(0),
         SORTED=vocab_order is not None, CHUNK_SLOTS=chunk_slots, IN_ORDER=scratch.in_order,
         SEGMENTS_PER_PAGE=scratch.segments_per_page, BLOCK=block, BLOCK_OUT=block_out,
-        DEPTH=config.step_depth, STAGES=config.num_stages,
-        PRODUCER_WARPS=hopper_pipeline.PRODUCER_WARPS,
-        PRODUCER_REGISTERS=hopper_pipeline.PRODUCER_REGISTERS, num_warps=config.num_warps,
+        DEPTH=config.step_depth, STAGES=config.num_stages, PRODUCER_WARPS=_PRODUCER_WARPS,
+        PRODUCER_REGISTERS=_PRODUCER_REGISTERS, num_warps=config.num_warps,
     )

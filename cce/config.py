@@ -46,8 +46,6 @@ class KernelConfigs:
     # The dC product on Hopper GPUs (cce.classifier_product): step depth (0: not used), warps
     # of its consumer and stages.
     classifier_product: KernelConfig
-    # The one pass's dE product on Hopper GPUs (cce.embeddings_product), the same settings.
-    embeddings_product: KernelConfig
 
     def __post_init__(self):
         grid = self.live_grid
@@ -65,7 +63,6 @@ _INTERPRETER = KernelConfigs(
     sparse_tile_matmul=KernelConfig(block_out=64),
     whole_block_embeddings_product=KernelConfig(step_depth=64),
     classifier_product=KernelConfig(),
-    embeddings_product=KernelConfig(),
 )
 _GPU_16BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=128),
@@ -90,8 +87,6 @@ _GPU_16BIT = KernelConfigs(
     # Rows of e by TMA, 64-deep steps in 4 stages (docs/notes/backward.md, "What feeds the
     # products").
     classifier_product=KernelConfig(step_depth=64, num_warps=8, num_stages=4),
-    # Its addresses looked up a step ahead of the copies (docs/notes/backward.md).
-    embeddings_product=KernelConfig(step_depth=64, num_warps=8, num_stages=4),
 )
 _GPU_32BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=64),
@@ -102,7 +97,6 @@ _GPU_32BIT = KernelConfigs(
     sparse_tile_matmul=KernelConfig(block_out=64),
     whole_block_embeddings_product=KernelConfig(),
     classifier_product=KernelConfig(),
-    embeddings_product=KernelConfig(),
 )
 
 # Forward programs per streaming multiprocessor: enough to hide the tail of uneven waves,

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce import classifier_product, embeddings_product
+from cce import classifier_product
 from cce.config import dot_precision, kernel_configs, split_count
 from cce.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.live_lists import TileLists, live_lists
@@ -235,16 +235,8 @@ def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Te
     (:meth:`RankOneUpdate.for_embeddings`) when given.
     ``room``: free float32 memory for the partial sums of a split product. ``slot_map``: int32
     (token blocks, vocabulary blocks), the slot of each flagged tile when the tiles are stored
-    in slots (as for the dC product) rather than as whole rows of the grid; on Hopper GPUs that
-    product is :mod:`cce.embeddings_product`'s where it applies."""
+    in slots (as for the dC product) rather than as whole rows of the grid."""
     lists, counts = live_lists(flags[token_blocks.start:token_blocks.stop])
-    if (slot_map is not None and token_blocks.start == 0
-            and embeddings_product.usable(c, scratch, rank_one is not None)
-            and _embeddings_splits(len(token_blocks), c.shape[1], c.dtype, c.device, 0) == 1):
-        embeddings_product.gradient_times_embeddings_by_slots(
-            scratch, lists, counts, slot_map, c, vocab_order, grad_e, mass_correction,
-            _block_out(c.shape[1], c.dtype))
-        return
     _launch(scratch, lists, counts, None, c, vocab_order, grad_e, None, token_blocks.start,
             flags.shape[1], transposed=False, room=room, mass_correction=mass_correction,
             rank_one=rank_one, slot_map=slot_map)

@@ -20,7 +20,6 @@ import torch
 
 import cce.backward
 import cce.classifier_product
-import cce.embeddings_product
 import cce.sparse_tile_matmul
 from cce.cce_function import loss_backward, loss_forward
 from cce.config import kernel_configs
@@ -330,9 +329,6 @@ def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
     with partial token, vocabulary and output blocks."""
     if not cce.classifier_product.available(torch.device(device), torch.bfloat16):
         pytest.skip("needs a Hopper GPU and Triton 3.6")
-    # Small shapes take it too here (it pays only from MIN_TOKENS x MIN_DIM on).
-    monkeypatch.setattr(cce.classifier_product, "MIN_TOKENS", 0)
-    monkeypatch.setattr(cce.classifier_product, "MIN_DIM", 0)
     if passes == "two":
         monkeypatch.setattr(cce.backward, "_one_pass_chunks", lambda *args: None)
     else:
@@ -357,42 +353,6 @@ def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
     assert by_tma and len(one_pass) == (passes == "one")
     monkeypatch.setattr(cce.classifier_product, "usable", lambda *args: False)
     assert torch.equal(with_tma, grad_c())
-
-
-@pytest.mark.parametrize("vocab_sorting, dim", [(True, 512), (True, 384), (False, 512)],
-                         ids=["sorted", "sorted-partial-columns", "unsorted"])
-def test_one_pass_embeddings_product_on_hopper_is_the_triton_product_bit_for_bit(
-        vocab_sorting: bool, dim: int, device: str, gen: torch.Generator,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a Hopper GPU with 16-bit inputs, the one pass's dE comes from cce.embeddings_product,
-    whose producer warps look each step's slot, pages and rows of c up a step ahead. From the
-    same forward it is the Triton product's dE to the bit, the filter correction included, with
-    partial token, vocabulary and output blocks, in the sorted and the unsorted vocabulary."""
-    if not cce.embeddings_product.available(torch.device(device), torch.bfloat16):
-        pytest.skip("needs a Hopper GPU and Triton 3.6")
-    monkeypatch.setattr(cce.backward, "_ONE_PASS_MIN_UTILIZATION", 0.0)
-    # One program per output block, as in the one pass at full size (small ones would split).
-    monkeypatch.setattr(cce.sparse_tile_matmul, "_embeddings_splits", lambda *args: 1)
-    one_pass = _spy(monkeypatch, "_one_pass_backward")
-    by_slots = _spy(monkeypatch, "gradient_times_embeddings_by_slots", cce.embeddings_product)
-    vocab, _ = _shape(torch.bfloat16)
-    tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7
-    e, c, targets = peaked_inputs(gen, device, tokens, vocab, dim)
-    e, c = e.bfloat16(), c.bfloat16()
-    _, lse, order, tile_bound, curvature_sum = loss_forward(
-        e, c, None, targets, None, None, 2.0**-12, vocab_sorting, True, 0.0, False, False, True)
-    grad_loss = torch.rand(tokens, generator=gen).to(device)
-
-    def grad_e() -> torch.Tensor:
-        gradient, _, _ = loss_backward(e, c, None, targets, None, lse, order, tile_bound,
-                                       curvature_sum, grad_loss, None, None, 2.0**-12, True, 0.0,
-                                       False, needs_grad_e=True, needs_grad_c=True)
-        return gradient
-
-    by_warp_specialization = grad_e()
-    assert by_slots and one_pass
-    monkeypatch.setattr(cce.embeddings_product, "usable", lambda *args: False)
-    assert torch.equal(by_warp_specialization, grad_e())
 
 
 @pytest.mark.parametrize("device", [

@@ -7,6 +7,9 @@ h200_ab_embeddings_product.json).
 2048 too) for a first version of the producer that looked a step's list entry, slot, page and
 rows of c up one after another, one step ahead of its copies.
 
+The kernel it compares was removed after this comparison (``git log --
+cce/embeddings_product.py``); the script runs where that file exists.
+
 Run from the repository root: ``python results/dev/h200_ab_embeddings_product.py OUT_DIR``.
 """
 
