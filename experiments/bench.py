@@ -57,9 +57,9 @@ from cce.vocab_order import target_positions
 from experiments.alpaca_data import add_data_argument
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
-                                 WrittenResults, add_run_arguments, add_sections, device_label,
-                                 finish, float64_reference, log, measure_loss, progress,
-                                 run_experiment, run_mode, time_fn, write_results)
+                                 WrittenResults, add_run_arguments, add_sections, default_out_dir,
+                                 device_label, finish, float64_reference, log, measure_loss,
+                                 progress, run_experiment, run_mode, time_fn, write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
 NAME = "bench"
@@ -750,10 +750,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.merge and (args.shapes or args.methods or args.repeats):
         parser.error("--merge measures nothing: it takes no --shapes, --methods or --repeats")
-    quick, out_dir = run_mode(args)
-    measure = (functools.partial(merge, args.merge, out_dir) if args.merge else
-               functools.partial(run, quick, out_dir, shapes=args.shapes, methods=args.methods,
-                                 data_path=args.data, repeats=args.repeats))
+    if args.merge:
+        # It measures nothing, so it runs the same anywhere: no notice of a quick run.
+        out_dir = args.out if args.out is not None else default_out_dir(args.quick or not ON_GPU)
+        measure = functools.partial(merge, args.merge, out_dir)
+    else:
+        quick, out_dir = run_mode(args)
+        measure = functools.partial(run, quick, out_dir, shapes=args.shapes, methods=args.methods,
+                                    data_path=args.data, repeats=args.repeats)
     outcome, errors = run_experiment(NAME, out_dir, measure)
     return finish([outcome], errors, out_dir)
 
