@@ -372,7 +372,8 @@ def test_the_command_lines_methods_win_over_the_shapes(tmp_path: Path,
 
 
 def test_merge_writes_one_report_from_runs_of_a_few_shapes(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")  # for bench.png
     from experiments import bench
 
@@ -384,9 +385,11 @@ def test_merge_writes_one_report_from_runs_of_a_few_shapes(
         for part in parts:
             assert bench.main(["--quick", "--shapes", part.name, "--methods", "cce",
                                "torch_compile", "--out", str(part)]) == 0
+        capsys.readouterr()
         assert bench.main(["--merge", *map(str, parts), "--out", str(tmp_path / "all")]) == 0
     finally:
         bench.forget_measurements()
+    assert "quick" not in capsys.readouterr().err  # it measures nothing: no quick-run notice
 
     merged = json.loads((tmp_path / "all" / "bench.json").read_text())
     assert list(merged["shapes"]) == ["quick", "quick_frozen"]
