@@ -57,9 +57,9 @@ from cce.vocab_order import target_positions
 from experiments.alpaca_data import add_data_argument
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
-                                 WrittenResults, add_run_arguments, add_sections, default_out_dir,
-                                 device_label, finish, float64_reference, log, measure_loss,
-                                 progress, run_experiment, run_mode, time_fn, write_results)
+                                 WrittenResults, add_run_arguments, add_sections, device_label,
+                                 finish, float64_reference, log, measure_loss, progress,
+                                 run_experiment, run_mode, time_fn, write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
 NAME = "bench"
@@ -223,7 +223,8 @@ def run(quick: bool, out_dir: Path, shapes: Optional[list[str]] = None,
 
     times = (f"ms, {describe_timing(how)}; fwd with gradients enabled (a training step's "
              "forward); bwd alone after an untimed forward")
-    return _report(rows, shape_info, times, out_dir)
+    l2_cache_mb = torch.cuda.get_device_properties(DEVICE).L2_cache_size / MIB if ON_GPU else None
+    return _report(rows, shape_info, times, out_dir, l2_cache_mb=l2_cache_mb)
 
 
 def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
@@ -278,8 +279,8 @@ def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
             l2_cache_mb: Optional[float] = None) -> WrittenResults:
     """Write bench.json, bench.md and bench.png: the rows with their ratios, the inputs and
     the targets; ``times`` says how the times were measured, ``measured`` when (the dates of
-    merged runs; None: now), ``measured_in`` and ``l2_cache_mb`` where (merged runs; None:
-    this process's device)."""
+    merged runs; None: now), ``measured_in`` where (merged runs; None: this process), and
+    ``l2_cache_mb`` the L2 cache of the GPU that measured them (None: no GPU)."""
     rows = _with_ratios(rows, shape_info)
     targets_report = evaluate_targets(rows, shape_info)
     meta = {
@@ -293,9 +294,7 @@ def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
                   "one e @ c.T",
         "errors": "||x - x64|| / ||x64|| against a float64 reference computed in token "
                   "chunks from the same bfloat16 inputs, reduction='mean'",
-        "l2_cache_mb": (l2_cache_mb if measured_in is not None
-                        else torch.cuda.get_device_properties(DEVICE).L2_cache_size / MIB
-                        if ON_GPU else None),
+        "l2_cache_mb": l2_cache_mb,
     }
     if measured is not None:
         meta["merged_runs"] = f"{len(measured)} runs, {min(measured)} to {max(measured)}"
@@ -750,14 +749,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.merge and (args.shapes or args.methods or args.repeats):
         parser.error("--merge measures nothing: it takes no --shapes, --methods or --repeats")
-    if args.merge:
-        # It measures nothing, so it runs the same anywhere: no notice of a quick run.
-        out_dir = args.out if args.out is not None else default_out_dir(args.quick or not ON_GPU)
-        measure = functools.partial(merge, args.merge, out_dir)
-    else:
-        quick, out_dir = run_mode(args)
-        measure = functools.partial(run, quick, out_dir, shapes=args.shapes, methods=args.methods,
-                                    data_path=args.data, repeats=args.repeats)
+    quick, out_dir = run_mode(args, measures=not args.merge)
+    measure = (functools.partial(merge, args.merge, out_dir) if args.merge else
+               functools.partial(run, quick, out_dir, shapes=args.shapes, methods=args.methods,
+                                 data_path=args.data, repeats=args.repeats))
     outcome, errors = run_experiment(NAME, out_dir, measure)
     return finish([outcome], errors, out_dir)
 

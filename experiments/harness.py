@@ -78,10 +78,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, files: str) -> None:
                              f"run, {_shown(QUICK_RESULTS_DIR)} for --quick, which git ignores)")
 
 
-def run_mode(args: argparse.Namespace) -> tuple[bool, Path]:
-    """``(quick, out_dir)`` from :func:`add_run_arguments`' options: quick without a GPU."""
+def run_mode(args: argparse.Namespace, measures: bool = True) -> tuple[bool, Path]:
+    """``(quick, out_dir)`` from :func:`add_run_arguments`' options: quick without a GPU.
+    ``measures``: whether the command measures anything; only then is a quick run it was not
+    asked for worth a notice."""
     quick = args.quick or not ON_GPU
-    if quick and not args.quick:
+    if quick and not args.quick and measures:
         log("No CUDA device: running in --quick mode (a smoke test; Triton's interpreter runs "
             "the kernels).")
     return quick, default_out_dir(quick) if args.out is None else args.out
