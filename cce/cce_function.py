@@ -41,12 +41,13 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
                     vocab_sorting: bool, *, logit_sum: Optional[torch.Tensor] = None,
                     curvature_sum: Optional[torch.Tensor] = None,
                     class_weight: Optional[torch.Tensor] = None,
-                    deterministic: bool = False) -> ForwardResults:
+                    deterministic: bool = False, may_copy_classifier: bool = False
+                    ) -> ForwardResults:
     """Run the forward's kernels: vocabulary order, indexed dot, linear-log-sum-exp.
     ``records_bounds``: a filtering backward will follow, so the forward records the bounds of
     the live grid's tiles (else None) and, with ``vocab_sorting``, sorts the vocabulary first
     (else the order is None: sorting only serves the backward's skipping). ``logit_sum``,
-    ``curvature_sum``, ``class_weight``, ``deterministic``: see
+    ``curvature_sum``, ``class_weight``, ``deterministic``, ``may_copy_classifier``: see
     :func:`cce.lse_forward.lse_forward`."""
     order = vocab_order(e, c, bias, targets) if records_bounds and vocab_sorting else None
     target_logit = indexed_dot(e, c, targets, bias, softcap)
@@ -54,7 +55,8 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
     lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
                                   target_logit if records_bounds else None,
                                   logit_sum=logit_sum, curvature_sum=curvature_sum,
-                                  class_weight=class_weight, deterministic=deterministic)
+                                  class_weight=class_weight, deterministic=deterministic,
+                                  may_copy_classifier=may_copy_classifier)
     return ForwardResults(order, target_logit, lse, tile_bound)
 
 
@@ -109,7 +111,7 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  targets: torch.Tensor, weight: Optional[torch.Tensor], softcap: Optional[float],
                  filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
                  label_smoothing: float, deterministic: bool, keep_tiles: bool,
-                 needs_grad: bool,
+                 needs_grad: bool, grad_c_follows: bool,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-token loss, lse, vocabulary order, tile bounds, curvature sum): float32 (N,), float32
     (N,), int32 (V,) or empty, float32 live-grid table or empty, float32 (N,) with a softcap,
@@ -117,6 +119,8 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     empty. Targets are canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and
     ``label_smoothing`` as in :mod:`cce.weighting`.
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
+    ``grad_c_follows``: that backward computes dC, so the forward may hold a copy of ``c`` as
+    large as dC while it runs (:func:`cce.lse_forward.classifier_by_position`);
     ``filter_correction`` and ``keep_tiles`` are the backward's (see :func:`loss_backward`);
     ``deterministic``: see :func:`cce.lse_forward.lse_forward`."""
     check_interpreter_usable()
@@ -127,7 +131,7 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     order, target_logit, lse, tile_bound = forward_kernels(
         e, c, bias, targets, softcap, _records_bounds(filter_eps, needs_grad), vocab_sorting,
         logit_sum=logit_sum, curvature_sum=curvature_sum, class_weight=weight,
-        deterministic=deterministic)
+        deterministic=deterministic, may_copy_classifier=grad_c_follows)
     # lse and the target logit come from different kernels: on a row whose softmax is one-hot
     # to float32 precision their difference can round below 0, which a loss never is.
     cross_entropy = (lse - target_logit).clamp_min(0.0)
@@ -143,7 +147,8 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
 
 @loss_forward.register_fake
 def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_sorting,
-                       filter_correction, label_smoothing, deterministic, keep_tiles, needs_grad):
+                       filter_correction, label_smoothing, deterministic, keep_tiles, needs_grad,
+                       grad_c_follows):
     num_tokens, vocab_size = e.shape[0], c.shape[0]
     records_bounds = _records_bounds(filter_eps, needs_grad)
     grid = kernel_configs(e.dtype).live_grid  # lse_forward's table: one row per token block
@@ -238,7 +243,7 @@ def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, cur
 
 def _loss_forward_setup_context(ctx, inputs, output) -> None:
     (e, c, bias, targets, weight, softcap, filter_eps, _, filter_correction, label_smoothing, _,
-     keep_tiles, _) = inputs
+     keep_tiles, _, _) = inputs
     _, lse, order, tile_bound, curvature_sum = output
     ctx.mark_non_differentiable(order, tile_bound, curvature_sum)
     ctx.set_materialize_grads(False)
@@ -262,7 +267,7 @@ def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
          if needed],
         (e, c, bias, grad_loss, grad_lse))
     return tuple(gradients.pop(0) if needed else None
-                 for needed in (needs_e, needs_c, needs_bias)) + (None,) * 10
+                 for needed in (needs_e, needs_c, needs_bias)) + (None,) * 11
 
 
 def _differentiable_once(gradients: "list[torch.Tensor]",
@@ -341,7 +346,7 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     needs_grad = needs_gradient(e, c, bias)
     arguments = (e, c, bias, targets.contiguous(), weighting.weight, softcap, filter_eps,
                  vocab_sorting, filter_correction, weighting.label_smoothing, deterministic,
-                 keep_tiles, needs_grad)
+                 keep_tiles, needs_grad, needs_grad and c.requires_grad)
     loss, lse, _, _, _ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
                           else loss_forward(*arguments))
     return loss, lse

@@ -102,6 +102,10 @@ _GPU_32BIT = KernelConfigs(
 # Forward programs per streaming multiprocessor: enough to hide the tail of uneven waves,
 # few enough that each program amortizes its one lock acquisition over many tiles.
 _FORWARD_PROGRAMS_PER_SM = 8
+# The forward copies c into position order (for tile products by tensor descriptor) from this
+# many tokens: the copy costs about as much as it saves at 2048 on an H200
+# (cce.lse_forward.classifier_by_position).
+_COPY_CLASSIFIER_MIN_TOKENS = 4096
 # A forward program's tile bounds rest on the LSE of its own earlier tiles (and on what others
 # have merged, which on a small problem is nothing yet): fewer tiles per program, looser bounds.
 _MIN_BLOCKS_PER_RECORDING_PROGRAM = 8
@@ -147,6 +151,12 @@ def kernel_configs(dtype: torch.dtype) -> KernelConfigs:
     if interpreting():
         return _INTERPRETER
     return _GPU_32BIT if dtype == torch.float32 else _GPU_16BIT
+
+
+def copy_classifier_min_tokens() -> int:
+    """From how many tokens the forward reads a sorted copy of c (any number in the interpreter,
+    so that the tests run that path)."""
+    return 0 if interpreting() else _COPY_CLASSIFIER_MIN_TOKENS
 
 
 def forward_vocab_splits(num_token_blocks: int, num_vocab_blocks: int, device: torch.device,

@@ -92,6 +92,20 @@ def logit_tile(
 ):
     """Logits of one (tokens x vocabulary) tile in float32; masked entries hold garbage-free 0s
     before the bias/softcap, so callers must mask them themselves."""
+    logits = tile_product(e_ptr, c_ptr, rows, row_mask, vocab, vocab_mask, dim,
+                          stride_e_row, stride_e_dim, stride_c_row, stride_c_dim,
+                          BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION)
+    return finish_logits(logits, bias_ptr, vocab, vocab_mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+
+
+@triton.jit
+def tile_product(
+    e_ptr, c_ptr, rows, row_mask, vocab, vocab_mask, dim,
+    stride_e_row, stride_e_dim, stride_c_row, stride_c_dim,
+    BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``E[rows] @ C[vocab].T`` in float32, rows of c gathered through ``vocab``."""
     offsets_dim = tl.arange(0, BLOCK_DIM)
     e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_e_row
     c_rows = c_ptr + vocab.to(tl.int64)[:, None] * stride_c_row
@@ -104,6 +118,29 @@ def logit_tile(
         c_block = tl.load(c_rows + dims[None, :] * stride_c_dim,
                           mask=vocab_mask[:, None] & dim_mask[None, :], other=0.0)
         logits = tile_dot(e_block, tl.trans(c_block), logits, DOT_PRECISION)
+    return logits
+
+
+@triton.jit
+def tile_product_by_descriptor(e_desc, c_desc, first_row, first_c_row, dim,
+                               BLOCK_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The same product from tensor descriptors: a block of rows of e and one of *consecutive*
+    rows of c (a sorted copy of c when sorting), each slice one bulk copy (TMA on Hopper), with
+    zeros past the tensors' ends."""
+    BLOCK_TOKENS: tl.constexpr = e_desc.block_shape[0]
+    BLOCK_VOCAB: tl.constexpr = c_desc.block_shape[0]
+    logits = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), dtype=tl.float32)
+    for dim_start in range(0, dim, BLOCK_DIM):
+        e_block = e_desc.load([first_row, dim_start])
+        c_block = c_desc.load([first_c_row, dim_start])
+        logits = tile_dot(e_block, tl.trans(c_block), logits, DOT_PRECISION)
+    return logits
+
+
+@triton.jit
+def finish_logits(logits, bias_ptr, vocab, vocab_mask, softcap,
+                  HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """A tile product's logits with the bias added and the softcap applied."""
     if HAS_BIAS:
         logits += tl.load(bias_ptr + vocab, mask=vocab_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:

@@ -301,7 +301,7 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
     e, c, targets = peaked_inputs(gen, device, N, vocab, dim)
     e, c = e.bfloat16(), c.bfloat16()
     _, lse, order, tile_bound, curvature_sum = loss_forward(
-        e, c, None, targets, None, None, 2.0**-12, True, True, 0.0, False, False, True)
+        e, c, None, targets, None, None, 2.0**-12, True, True, 0.0, False, False, True, True)
     grad_loss = torch.rand(N, generator=gen).to(device)
 
     def grad_c(with_grad_e: bool) -> "tuple[torch.Tensor, int]":
@@ -340,7 +340,7 @@ def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
     e, c, targets = peaked_inputs(gen, device, tokens, vocab, dim)
     e, c = e.bfloat16(), c.bfloat16()
     _, lse, order, tile_bound, curvature_sum = loss_forward(
-        e, c, None, targets, None, None, 2.0**-12, True, True, 0.0, False, False, True)
+        e, c, None, targets, None, None, 2.0**-12, True, True, 0.0, False, False, True, True)
     grad_loss = torch.rand(tokens, generator=gen).to(device)
 
     def grad_c() -> torch.Tensor:

@@ -247,3 +247,45 @@ def test_forward_only_calls_prepare_no_backward(gen: torch.Generator, device: st
         cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
     with pytest.raises(AssertionError, match="vocab_order ran"):
         cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
+
+
+def test_forward_reads_a_sorted_copy_of_c_only_when_dc_follows(
+        gen: torch.Generator, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With sorting, the forward's tile products read c by tensor descriptor from a copy of c in
+    position order, which it makes only when dC follows (the copy then fits where dC will be);
+    with a frozen classifier it gathers the rows through the order, and without sorting it reads
+    c itself. Loss and gradients are those of the gathering forward, to the bit."""
+    import cce
+    import cce.config
+    import cce.lse_forward
+
+    monkeypatch.setattr(cce.config, "_COPY_CLASSIFIER_MIN_TOKENS", 0)  # small N on a GPU too
+    e, c, targets = peaked_inputs(gen, device, N, V, D)
+    e, c = e.bfloat16(), c.bfloat16()
+    if not cce.lse_forward._descriptor_ready(e):
+        pytest.skip("tensor descriptors need a Hopper GPU or the interpreter")
+    read = []
+    by_position = cce.lse_forward.classifier_by_position
+
+    def spy(e_, c_, order, may_copy):
+        rows = by_position(e_, c_, order, may_copy)
+        read.append("gather" if rows is None else "c" if rows is c_ else "copy")
+        return rows
+
+    monkeypatch.setattr(cce.lse_forward, "classifier_by_position", spy)
+
+    def loss_and_gradients(frozen_c: bool = False):
+        e_, c_ = e.clone().requires_grad_(), c.clone().requires_grad_(not frozen_c)
+        loss = cce.linear_cross_entropy(e_, c_, targets, ignore_index=-1, deterministic=True)
+        loss.backward()
+        return loss, e_.grad, c_.grad
+
+    copied = loss_and_gradients()
+    loss_and_gradients(frozen_c=True)
+    with torch.no_grad():
+        cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
+    assert read == ["copy", "gather", "c"]
+    monkeypatch.setattr(cce.lse_forward, "classifier_by_position", lambda *args: None)
+    gathered = loss_and_gradients()
+    for by_copy, by_gather in zip(copied, gathered):
+        assert torch.equal(by_copy, by_gather)

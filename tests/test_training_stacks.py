@@ -128,7 +128,7 @@ def test_ops_pass_torch_library_opcheck(filter_eps, softcap, smoothing, device: 
     targets = torch.where(inputs.targets >= 0, inputs.targets, -1)
     e, c, bias = _leaves(inputs.e, inputs.c, inputs.bias)
     forward_args = (e, c, bias, targets, None, softcap, filter_eps, True, True, smoothing, False,
-                    False, True)
+                    False, True, True)
     torch.library.opcheck(loss_forward, forward_args, **TOLERANCES)
     _, lse, order, tile_bound, curvature_sum = loss_forward(*forward_args)
     grad_loss = make_grad_output(gen, inputs, "none")
