@@ -16,6 +16,10 @@ Tiles follow ``vocab_order`` when given (vocabulary sorting), so that the forwar
 backward's tiles are the same, and the head of the vocabulary, which holds most of the mass, is
 merged first.
 
+On Hopper GPUs the tiles' operands come by tensor descriptor, one bulk copy (TMA) per operand
+and D slice instead of one address per row: rows of ``e``, and rows of ``c`` in position order,
+which with sorting means a copy of ``c`` (:func:`classifier_by_position`).
+
 For label smoothing it also adds up each row's (class-weighted) sum of logits, and with a softcap
 of their squared tanh, merged under the same lock as the LSE (:mod:`cce.weighting`).
 """

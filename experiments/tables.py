@@ -135,6 +135,10 @@ def build_table(name: str, blocks: Sequence[Block], quick: bool, out_dir: Path, 
         "Liger": "computes the gradient during its forward: its Loss column holds the whole "
                  "work and its Gradient column almost none (the paper prints no Gradient "
                  "column for it)",
+        "CCE (ours), Loss memory": "with the vocabulary sorted and dC to follow (N >= 4096), "
+                                   "the forward reads a copy of c in position order, freed "
+                                   "before the backward allocates dC: about dC's size in the "
+                                   "Loss column, nothing in Loss+Gradient's peak",
         "reference CCE": "Apple's cut_cross_entropy, the paper's own code; its *_paper "
                          "columns repeat the paper's CCE row",
         "accuracy": "not measured here (python -m experiments.bench reports it); rows the "
