@@ -17,7 +17,6 @@ Run from the repository root: ``python results/dev/h200_forward_descriptors.py O
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.vocab_order import vocab_order
-from experiments.harness import environment
+from experiments.harness import environment, time_fn
 from experiments.synthetic import lm_like_inputs
 
 WARMUP, REPEATS, ROUNDS = 3, 10, 3
@@ -42,20 +41,6 @@ VARIANTS = {
     "tma_s4_ws": dict(num_stages=4, WARP_SPECIALIZE=True),
     "tma_s2_bd128": dict(num_stages=2, BLOCK_DIM=128),
 }
-
-
-def median_ms(fn):
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(out_dir: Path) -> None:
@@ -87,7 +72,7 @@ def main(out_dir: Path) -> None:
         times = {key: [] for key in calls}
         for _ in range(ROUNDS):
             for key, fn in calls.items():
-                times[key].append(median_ms(fn))
+                times[key].append(time_fn(fn, warmup=WARMUP, repeats=REPEATS))
         shape["ms"] = times
         shape["gemm_tflops"] = 2 * n * v * d / min(times["cublas"]) / 1e9
         results["shapes"][name] = shape
