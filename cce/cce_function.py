@@ -106,6 +106,15 @@ def _sums_curvature(softcap: Optional[float], label_smoothing: float, needs_grad
     return bool(label_smoothing) and softcap is not None and needs_grad
 
 
+def _may_copy_classifier(e: torch.Tensor, needs_grad: bool, grad_c_follows: bool) -> bool:
+    """Whether the forward may hold a copy of ``c`` while its kernel runs
+    (:func:`cce.lse_forward.classifier_by_position`): where the backward that follows takes as
+    much memory anyway, so that a training step's peak does not grow. That is dC; without dC,
+    the dE-only backward's buffer, as large as ``c`` from D tokens on
+    (:func:`cce.backward._embeddings_pass_scratch`)."""
+    return needs_grad and (grad_c_follows or e.shape[0] >= e.shape[1])
+
+
 @torch.library.custom_op("cce::loss_forward", mutates_args=())
 def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  targets: torch.Tensor, weight: Optional[torch.Tensor], softcap: Optional[float],
@@ -119,8 +128,7 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     empty. Targets are canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and
     ``label_smoothing`` as in :mod:`cce.weighting`.
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
-    ``grad_c_follows``: that backward computes dC, so the forward may hold a copy of ``c`` as
-    large as dC while it runs (:func:`cce.lse_forward.classifier_by_position`);
+    ``grad_c_follows``: that backward computes dC (see :func:`_may_copy_classifier`);
     ``filter_correction`` and ``keep_tiles`` are the backward's (see :func:`loss_backward`);
     ``deterministic``: see :func:`cce.lse_forward.lse_forward`."""
     check_interpreter_usable()
@@ -131,7 +139,8 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     order, target_logit, lse, tile_bound = forward_kernels(
         e, c, bias, targets, softcap, _records_bounds(filter_eps, needs_grad), vocab_sorting,
         logit_sum=logit_sum, curvature_sum=curvature_sum, class_weight=weight,
-        deterministic=deterministic, may_copy_classifier=grad_c_follows)
+        deterministic=deterministic,
+        may_copy_classifier=_may_copy_classifier(e, needs_grad, grad_c_follows))
     # lse and the target logit come from different kernels: on a row whose softmax is one-hot
     # to float32 precision their difference can round below 0, which a loss never is.
     cross_entropy = (lse - target_logit).clamp_min(0.0)

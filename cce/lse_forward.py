@@ -255,8 +255,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     exact filter, never the result (:func:`cce.live_tiles.live_tiles`).
 
     ``may_copy_classifier``: the caller allows a sorted copy of ``c`` for the call's duration
-    (when dC follows, so that the copy fits where dC will be; see
-    :func:`classifier_by_position`)."""
+    (where the backward takes as much memory anyway; see :func:`classifier_by_position`)."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     configs = kernel_configs(e.dtype)

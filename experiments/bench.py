@@ -290,8 +290,9 @@ def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
                   "torch.no_grad; fwd_grad with gradients enabled (state saved for the backward "
                   "included); bwd alone, above what is in use after the forward; fwd_bwd with "
                   "dE and dC included (dE only where the classifier is frozen); GPU only. "
-                  "cce's fwd_grad holds a copy of c in position order where dC follows and N "
-                  ">= 4096 (freed before the backward allocates dC)",
+                  "cce's fwd_grad holds a copy of c in position order from N = 4096 where the "
+                  "backward takes as much (dC, or a frozen classifier's dE buffer from D "
+                  "tokens)",
         "ratios": "speedup_vs_compile = torch_compile fwd_bwd / fwd_bwd; *_vs_gemm = time / "
                   "one e @ c.T",
         "errors": "||x - x64|| / ||x64|| against a float64 reference computed in token "

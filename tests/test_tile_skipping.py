@@ -249,12 +249,14 @@ def test_forward_only_calls_prepare_no_backward(gen: torch.Generator, device: st
         cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
 
 
-def test_forward_reads_a_sorted_copy_of_c_only_when_dc_follows(
+def test_forward_copies_c_in_position_order_only_into_memory_the_backward_takes(
         gen: torch.Generator, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With sorting, the forward's tile products read c by tensor descriptor from a copy of c in
-    position order, which it makes only when dC follows (the copy then fits where dC will be);
-    with a frozen classifier it gathers the rows through the order, and without sorting it reads
-    c itself. Loss and gradients are those of the gathering forward, to the bit."""
+    position order, made only where the backward takes as much memory anyway: when dC follows,
+    or, with a frozen classifier, when there are at least D tokens (the dE-only backward's
+    buffer is then as large as c). Otherwise the rows are gathered through the order; without
+    sorting (no backward) c is read as it is. Loss and gradients are the gathering forward's,
+    to the bit."""
     import cce
     import cce.config
     import cce.lse_forward
@@ -274,17 +276,19 @@ def test_forward_reads_a_sorted_copy_of_c_only_when_dc_follows(
 
     monkeypatch.setattr(cce.lse_forward, "classifier_by_position", spy)
 
-    def loss_and_gradients(frozen_c: bool = False):
-        e_, c_ = e.clone().requires_grad_(), c.clone().requires_grad_(not frozen_c)
-        loss = cce.linear_cross_entropy(e_, c_, targets, ignore_index=-1, deterministic=True)
+    def loss_and_gradients(tokens: int = N, frozen_c: bool = False):
+        e_, c_ = e[:tokens].clone().requires_grad_(), c.clone().requires_grad_(not frozen_c)
+        loss = cce.linear_cross_entropy(e_, c_, targets[:tokens], ignore_index=-1,
+                                        deterministic=True)
         loss.backward()
         return loss, e_.grad, c_.grad
 
     copied = loss_and_gradients()
     loss_and_gradients(frozen_c=True)
+    loss_and_gradients(tokens=D - 1, frozen_c=True)
     with torch.no_grad():
         cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
-    assert read == ["copy", "gather", "c"]
+    assert read == ["copy", "copy", "gather", "c"]
     monkeypatch.setattr(cce.lse_forward, "classifier_by_position", lambda *args: None)
     gathered = loss_and_gradients()
     for by_copy, by_gather in zip(copied, gathered):
