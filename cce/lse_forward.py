@@ -66,8 +66,8 @@ def log_probability_bound(row_max, lse_lower, recorded_rows):
 @triton.jit
 def lse_forward_kernel(
     e_ptr, c_ptr, e_desc, c_desc, bias_ptr, targets_ptr, target_logit_ptr, vocab_order_ptr,
-    lse_ptr, locks_ptr,
-    tile_bound_ptr, split_lse_ptr, class_weight_ptr, logit_sum_ptr, curvature_sum_ptr,
+    lse_ptr, locks_ptr, tile_bound_ptr, split_lse_ptr, class_weight_ptr, logit_sum_ptr,
+    curvature_sum_ptr,
     num_tokens, vocab_size, dim, vocab_blocks_per_program,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
@@ -282,8 +282,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                                               [config.block_vocab, config.block_dim])
     lse_forward_kernel[(num_token_blocks * splits,)](
         e, c, e_desc, c_desc, bias, targets, target_logit, vocab_order, lse, locks, tile_bound,
-        split_lse,
-        class_weight, logit_sum, curvature_sum, num_tokens, vocab_size, dim,
+        split_lse, class_weight, logit_sum, curvature_sum, num_tokens, vocab_size, dim,
         vocab_blocks_per_program,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
