@@ -16,40 +16,20 @@ Run from the repository root: ``python results/dev/h200_ab_embeddings_product.py
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-import cce
 from cce import embeddings_product
 from experiments.harness import environment
 from experiments.synthetic import lm_like_inputs
+from results.dev.h200_small_levers import median_ms, step
 
-WARMUP, REPEATS, ROUNDS = 3, 15, 3
+ROUNDS = 3  # each median: h200_small_levers.median_ms (3 warm-up calls, 15 timed)
 SHAPES = (("llama3_8b", 1024, 128256, 4096), ("llama3_8b", 4096, 128256, 4096),
           ("llama3_8b", 8192, 128256, 4096), ("gemma2_2b", 2048, 256000, 2304),
           ("phi3_5_mini", 1024, 32064, 3072))
-
-
-def step(e, c, targets):
-    cce.linear_cross_entropy(e, c, targets).backward()
-    e.grad = c.grad = None
-
-
-def median_ms(e, c, targets):
-    for _ in range(WARMUP):
-        step(e, c, targets)
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step(e, c, targets)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def de_product_ms(e, c, targets):

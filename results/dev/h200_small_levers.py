@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 
 import cce
 from cce import classifier_product, sparse_tile_matmul
-from experiments.harness import environment
+from experiments.harness import environment, time_fn
 from experiments.synthetic import lm_like_inputs
 
 WARMUP, REPEATS, ROUNDS = 3, 15, 3
@@ -40,17 +39,7 @@ def step(e, c, targets):
 
 
 def median_ms(e, c, targets):
-    for _ in range(WARMUP):
-        step(e, c, targets)
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step(e, c, targets)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return time_fn(functools.partial(step, e, c, targets), warmup=WARMUP, repeats=REPEATS)
 
 
 def with_settings(min_tokens, min_dim, block_out, fn):
