@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import triton
 
-from cce.config import interpreting, kernel_configs
+from cce.config import interpreting, kernel_configs, tma_copies_rows
 from cce.live_lists import TileLists
 from cce.scratch import Scratch
 
@@ -68,9 +68,9 @@ def usable(e: torch.Tensor, scratch: Scratch, grad_bias: Optional[torch.Tensor],
            has_rank_one: bool) -> bool:
     """Whether this kernel can compute the dC product of these operands."""
     return (available(e.device, e.dtype) and grad_bias is None and not has_rank_one
-            # TMA: a 16-byte aligned base and row stride; cp.async: 16-byte segments.
-            and e.stride(1) == 1 and (e.stride(0) * e.element_size()) % 16 == 0
-            and e.data_ptr() % 16 == 0 and scratch.buffer.data_ptr() % 16 == 0
+            and tma_copies_rows(e)
+            # cp.async: the stored tiles in 16-byte segments.
+            and scratch.buffer.data_ptr() % 16 == 0
             and (scratch.page_stride * scratch.buffer.element_size()) % 16 == 0)
 
 

@@ -220,6 +220,13 @@ def whole_waves(blocks: int, programs_per_block: int, device: torch.device) -> i
     return max(1, waves * sm_count // programs_per_block) if waves else blocks
 
 
+def tma_copies_rows(x: torch.Tensor) -> bool:
+    """Whether the tensor memory accelerator (TMA) can copy blocks of rows of the matrix ``x``:
+    unit stride along a row, a 16-byte aligned start and row stride."""
+    return (x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0
+            and x.data_ptr() % 16 == 0)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """How tl.dot multiplies: exact fp32 products for fp32 inputs (tf32 would cost ~1e-3
     relative error); "upcast" works around the interpreter's bfloat16 dot."""

@@ -38,7 +38,7 @@ except ImportError:  # a Triton without host-side descriptors: rows are gathered
     TensorDescriptor = None
 
 from cce.config import (copy_classifier_min_tokens, dot_precision, forward_vocab_splits,
-                        interpreting, kernel_configs)
+                        interpreting, kernel_configs, tma_copies_rows)
 from cce.logit_tile import (LOG2_E, finish_logits, holds_padding, logit_tile,
                             tile_product_by_descriptor, vocab_block_entries)
 
@@ -220,13 +220,12 @@ def classifier_by_position(e: torch.Tensor, c: torch.Tensor, vocab_order: Option
 
 
 def _descriptor_ready(x: torch.Tensor) -> bool:
-    """Whether a tensor descriptor can describe ``x``: 16-bit rows, unit stride along them and
-    16-byte aligned rows, on a Hopper or later GPU (or in Triton's interpreter)."""
+    """Whether a tensor descriptor can describe ``x``: 16-bit rows that TMA can copy, on a
+    Hopper or later GPU (or in Triton's interpreter)."""
     device_ok = interpreting() or (x.device.type == "cuda"
                                    and torch.cuda.get_device_capability(x.device)[0] >= 9)
     return (TensorDescriptor is not None and device_ok
-            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
-            and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
+            and x.dtype in (torch.bfloat16, torch.float16) and tma_copies_rows(x))
 
 
 def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
