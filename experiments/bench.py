@@ -263,6 +263,9 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
         environments.append(env)
     if len(timings) > 1:
         raise ValueError(f"--merge: the parts were timed differently: {sorted(timings)}")
+    # In the benchmark's order of shapes, whatever the order of the parts.
+    rows.sort(key=lambda row: list(SHAPES).index(row["shape"]))
+    shape_info = {shape: shape_info[shape] for shape in SHAPES if shape in shape_info}
     dates = [env["date"] for env in environments]
     # Where the parts were measured, as of the last one; the real data's tokenizer version
     # from whichever part loaded it.
