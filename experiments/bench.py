@@ -236,6 +236,7 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
     shape_info: dict[str, dict[str, Any]] = {}
     timings = set()
     environments = []
+    part_metas: list[dict[str, Any]] = []
     first_meta: dict[str, Any] = {}
     for part in parts:
         path = Path(part) / f"{NAME}.json"
@@ -254,6 +255,7 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
                     f"--merge: {path} was measured with another {', '.join(differs)} than "
                     f"{Path(parts[0]) / f'{NAME}.json'} ({', '.join(str(env.get(k)) for k in differs)}"
                     f" against {', '.join(str(first.get(k)) for k in differs)})")
+        part_metas.append(results["meta"])
         repeated = sorted(set(results["shapes"]) & set(shape_info))
         if repeated:
             raise ValueError(f"--merge: {path} measures {', '.join(repeated)} again")
@@ -266,7 +268,8 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
     # In the benchmark's order of shapes, whatever the order of the parts.
     rows.sort(key=lambda row: list(SHAPES).index(row["shape"]))
     shape_info = {shape: shape_info[shape] for shape in SHAPES if shape in shape_info}
-    dates = [env["date"] for env in environments]
+    dates = [date for part_meta, env in zip(part_metas, environments)
+             for date in _run_dates(part_meta, env)]
     # Where the parts were measured, as of the last one; the real data's tokenizer version
     # from whichever part loaded it.
     measured_in = {**environments[0], "date": max(dates),
@@ -274,6 +277,17 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
                                          if env.get("transformers")), None)}
     return _report(rows, shape_info, timings.pop(), out_dir, measured=dates,
                    measured_in=measured_in, l2_cache_mb=first_meta.get("l2_cache_mb"))
+
+
+def _run_dates(meta: dict[str, Any], environment: dict[str, Any]) -> list[str]:
+    """When a part's runs were measured: its own date, or for a part that is itself a merge
+    (a shape measured again beside an earlier report), the dates its ``merged_runs`` names."""
+    merged = meta.get("merged_runs")
+    if merged is None:
+        return [environment["date"]]
+    count, span = merged.split(" runs, ")
+    first, last = span.split(" to ")
+    return [first] * (int(count) - 1) + [last]
 
 
 def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],

@@ -403,6 +403,17 @@ def test_merge_writes_one_report_from_runs_of_a_few_shapes(
     assert merged["meta"]["merged_runs"].startswith("2 runs, ")
     assert (tmp_path / "all" / "bench.png").stat().st_size > 0
 
+    # One shape measured again: the merged report without it, merged with the new run, counts
+    # every run it stands on.
+    (tmp_path / "rest").mkdir()
+    rest = {**merged, "rows": [row for row in merged["rows"] if row["shape"] == "quick"],
+            "shapes": {"quick": merged["shapes"]["quick"]}}
+    (tmp_path / "rest" / "bench.json").write_text(json.dumps(rest))
+    bench.merge([tmp_path / "rest", parts[1]], tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "bench.json").read_text())["meta"]["merged_runs"]
+    first_date = merged["meta"]["merged_runs"].split(" runs, ")[1].split(" to ")[0]
+    assert again.startswith(f"3 runs, {first_date} to ")
+
     with pytest.raises(ValueError, match="quick again"):
         bench.merge([parts[0], parts[0]], tmp_path / "twice")
     # Parts measured on a GPU merge on this machine into a report of that GPU.
