@@ -236,7 +236,7 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
     shape_info: dict[str, dict[str, Any]] = {}
     timings = set()
     environments = []
-    part_metas: list[dict[str, Any]] = []
+    dates: list[str] = []
     first_meta: dict[str, Any] = {}
     for part in parts:
         path = Path(part) / f"{NAME}.json"
@@ -255,7 +255,6 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
                     f"--merge: {path} was measured with another {', '.join(differs)} than "
                     f"{Path(parts[0]) / f'{NAME}.json'} ({', '.join(str(env.get(k)) for k in differs)}"
                     f" against {', '.join(str(first.get(k)) for k in differs)})")
-        part_metas.append(results["meta"])
         repeated = sorted(set(results["shapes"]) & set(shape_info))
         if repeated:
             raise ValueError(f"--merge: {path} measures {', '.join(repeated)} again")
@@ -263,13 +262,12 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
         rows += results["rows"]
         timings.add(results["meta"]["times"])
         environments.append(env)
+        dates += _run_dates(results["meta"], env)
     if len(timings) > 1:
         raise ValueError(f"--merge: the parts were timed differently: {sorted(timings)}")
     # In the benchmark's order of shapes, whatever the order of the parts.
     rows.sort(key=lambda row: list(SHAPES).index(row["shape"]))
     shape_info = {shape: shape_info[shape] for shape in SHAPES if shape in shape_info}
-    dates = [date for part_meta, env in zip(part_metas, environments)
-             for date in _run_dates(part_meta, env)]
     # Where the parts were measured, as of the last one; the real data's tokenizer version
     # from whichever part loaded it.
     measured_in = {**environments[0], "date": max(dates),
