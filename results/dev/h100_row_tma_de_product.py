@@ -31,7 +31,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -251,7 +251,6 @@ def main():
         rows.append({"shape": name, "variant": "cuBLAS, same work", "ms": t,
                      "tflops": 2 * a.shape[0] * a.shape[1] * d / t / 1e9})
         print(rows[-1], flush=True)
-        del scratch, c
         torch.cuda.empty_cache()
     json.dump(rows, open(os.environ.get("OUT", ".") + "/row_tma_de_product.json", "w"), indent=1)
 
