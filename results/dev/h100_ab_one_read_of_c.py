@@ -1,5 +1,5 @@
 """One read of c for the vocabulary order and the mass correction's mean row, against two
-(H200 A/B; writes h200_ab_one_read_of_c.json).
+(A/B, run on an H100; writes h200_ab_one_read_of_c.json, kept as h100_ab_one_read_of_c.json).
 
 1. The sums alone: ``classifier_sums(c, mean_e)`` (both sums, one read) against
    ``torch.mv(c, mean_e)`` and ``torch.mv(c.T, ones)`` (the two reads of before), and
@@ -9,7 +9,7 @@
    (this code) against "two reads" (the forward's order by two matrix-vector products, as
    before, and no row sum handed to the backward, which then reads c for it).
 
-Run from the repository root: ``python results/dev/h200_ab_one_read_of_c.py OUT_DIR``.
+Run from the repository root: ``python results/dev/h100_ab_one_read_of_c.py OUT_DIR``.
 """
 
 from __future__ import annotations
