@@ -66,6 +66,7 @@ def linear_cross_entropy_backward(
     needs_grad_c: bool, mass_correction: bool = False,
     rank_one: Optional[RankOneTerm] = None, keep_tiles: bool = False,
     shard_mass: Optional[torch.Tensor] = None, grad_e_dtype: Optional[torch.dtype] = None,
+    classifier_row_sum: Optional[torch.Tensor] = None,
 ) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
     """(dE, dC, dbias), each None when not needed. ``target_positions``: see
     :func:`cce.vocab_order.target_positions`; ``live_tiles``: the live-grid table of tiles that
@@ -77,7 +78,9 @@ def linear_cross_entropy_backward(
     buffer of their own even where they do not fit in dC. When ``c`` is one shard of the vocabulary
     (:mod:`cce.vocab_parallel`), ``lse`` is the whole vocabulary's and ``shard_mass`` (float32
     (N,)) each row's softmax mass in the shard, which the correction needs. ``grad_e_dtype``:
-    dE's dtype (default e's; float32 for a dE that is summed over shards)."""
+    dE's dtype (default e's; float32 for a dE that is summed over shards).
+    ``classifier_row_sum``: float32 (D,) ``c.sum(0)`` where the forward has it, for the mass
+    correction (None: the backward reads ``c`` for it)."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     grid = kernel_configs(e.dtype).live_grid
@@ -93,7 +96,8 @@ def linear_cross_entropy_backward(
         table = _live_table(live_tiles, num_token_blocks, num_vocab_blocks, e.device)
         live_listed = _list_tiles(table)
         # Queued behind the copy of the list lengths: the GPU runs it while the host plans.
-        correction = MassCorrection.of(c, prob_scale, shard_mass) if mass_correction else None
+        correction = (MassCorrection.of(c, prob_scale, shard_mass, classifier_row_sum)
+                      if mass_correction else None)
         one_pass = _one_pass_plan(live_listed, table, grad_c, vocab_order, keep_tiles)
         if one_pass is not None:
             grad_e = torch.empty((num_tokens, dim), dtype=grad_e_dtype or e.dtype,
@@ -116,7 +120,7 @@ def linear_cross_entropy_backward(
                                   e.device)
         room = _room_after(scratch, chunk * row_segments)
         if mass_correction and correction is None:
-            correction = MassCorrection.of(c, prob_scale, shard_mass)
+            correction = MassCorrection.of(c, prob_scale, shard_mass, classifier_row_sum)
         update = RankOneUpdate.for_embeddings(rank_one, c) if rank_one is not None else None
         for first in range(0, num_token_blocks, chunk):
             token_blocks = range(first, min(first + chunk, num_token_blocks))

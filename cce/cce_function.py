@@ -23,7 +23,7 @@ from cce.config import check_interpreter_usable, kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.live_tiles import live_tiles
-from cce.vocab_order import target_positions, vocab_order
+from cce.vocab_order import sort_vocabulary, target_positions
 from cce.weighting import LossWeighting, RankOneTerm
 
 
@@ -34,6 +34,7 @@ class ForwardResults(NamedTuple):
     target_logit: torch.Tensor  # float32 (N,)
     lse: torch.Tensor  # float32 (N,)
     tile_bound: Optional[torch.Tensor]  # float32 live-grid table, see cce.lse_forward
+    classifier_row_sum: Optional[torch.Tensor]  # float32 (D,) c.sum(0), read with the order
 
 
 def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
@@ -46,10 +47,13 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
     """Run the forward's kernels: vocabulary order, indexed dot, linear-log-sum-exp.
     ``records_bounds``: a filtering backward will follow, so the forward records the bounds of
     the live grid's tiles (else None) and, with ``vocab_sorting``, sorts the vocabulary first
-    (else the order is None: sorting only serves the backward's skipping). ``logit_sum``,
+    (else the order is None: sorting only serves the backward's skipping), and with it the sum
+    of the rows of ``c``, from the same read, for the backward's mass correction. ``logit_sum``,
     ``curvature_sum``, ``class_weight``, ``deterministic``, ``may_copy_classifier``: see
     :func:`cce.lse_forward.lse_forward`."""
-    order = vocab_order(e, c, bias, targets) if records_bounds and vocab_sorting else None
+    order = row_sum = None
+    if records_bounds and vocab_sorting:
+        order, row_sum = sort_vocabulary(e, c, bias, targets)
     target_logit = indexed_dot(e, c, targets, bias, softcap)
     # The target logits double as lower bounds of the LSE for the tile bounds.
     lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
@@ -57,7 +61,7 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
                                   logit_sum=logit_sum, curvature_sum=curvature_sum,
                                   class_weight=class_weight, deterministic=deterministic,
                                   may_copy_classifier=may_copy_classifier)
-    return ForwardResults(order, target_logit, lse, tile_bound)
+    return ForwardResults(order, target_logit, lse, tile_bound, row_sum)
 
 
 def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
@@ -121,10 +125,12 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
                  label_smoothing: float, deterministic: bool, keep_tiles: bool,
                  needs_grad: bool, grad_c_follows: bool,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-token loss, lse, vocabulary order, tile bounds, curvature sum): float32 (N,), float32
-    (N,), int32 (V,) or empty, float32 live-grid table or empty, float32 (N,) with a softcap,
-    label smoothing and ``needs_grad`` (:meth:`cce.weighting.LossWeighting.rank_one_term`) or
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor]:
+    """(per-token loss, lse, vocabulary order, tile bounds, curvature sum, classifier row sum):
+    float32 (N,), float32 (N,), int32 (V,) or empty, float32 live-grid table or empty, float32
+    (N,) with a softcap, label smoothing and ``needs_grad``
+    (:meth:`cce.weighting.LossWeighting.rank_one_term`) or empty, float32 (D,) with the order or
     empty. Targets are canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and
     ``label_smoothing`` as in :mod:`cce.weighting`.
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
@@ -136,7 +142,7 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  if label_smoothing else None)
     curvature_sum = (torch.zeros_like(logit_sum)
                      if _sums_curvature(softcap, label_smoothing, needs_grad) else None)
-    order, target_logit, lse, tile_bound = forward_kernels(
+    order, target_logit, lse, tile_bound, row_sum = forward_kernels(
         e, c, bias, targets, softcap, _records_bounds(filter_eps, needs_grad), vocab_sorting,
         logit_sum=logit_sum, curvature_sum=curvature_sum, class_weight=weight,
         deterministic=deterministic,
@@ -151,7 +157,8 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                                                               targets, c.shape[0])
     return (loss, lse, _or_empty(order, torch.int32, e.device),
             _or_empty(tile_bound, torch.float32, e.device),
-            _or_empty(curvature_sum, torch.float32, e.device))
+            _or_empty(curvature_sum, torch.float32, e.device),
+            _or_empty(row_sum, torch.float32, e.device))
 
 
 @loss_forward.register_fake
@@ -163,19 +170,21 @@ def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_s
     grid = kernel_configs(e.dtype).live_grid  # lse_forward's table: one row per token block
     bound_shape = ((triton.cdiv(num_tokens, grid.block_tokens),
                     triton.cdiv(vocab_size, grid.block_vocab)) if records_bounds else (0,))
+    sorts = records_bounds and vocab_sorting
     return (e.new_empty(num_tokens, dtype=torch.float32),
             e.new_empty(num_tokens, dtype=torch.float32),
-            e.new_empty(vocab_size if records_bounds and vocab_sorting else 0,
-                        dtype=torch.int32),
+            e.new_empty(vocab_size if sorts else 0, dtype=torch.int32),
             e.new_empty(bound_shape, dtype=torch.float32),
             e.new_empty(num_tokens if _sums_curvature(softcap, label_smoothing, needs_grad)
-                        else 0, dtype=torch.float32))
+                        else 0, dtype=torch.float32),
+            e.new_empty(e.shape[1] if sorts else 0, dtype=torch.float32))
 
 
 @torch.library.custom_op("cce::loss_backward", mutates_args=())
 def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                   targets: torch.Tensor, weight: Optional[torch.Tensor], lse: torch.Tensor,
                   order: torch.Tensor, tile_bound: torch.Tensor, curvature_sum: torch.Tensor,
+                  classifier_row_sum: torch.Tensor,
                   grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
                   softcap: Optional[float], filter_eps: Optional[float],
                   filter_correction: bool, label_smoothing: float, keep_tiles: bool,
@@ -183,12 +192,13 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` (a None gradient counts as
     0), each empty when not needed (dC and dbias both come with ``needs_grad_c``). ``order``,
-    ``tile_bound`` and ``curvature_sum``: from :func:`loss_forward`. ``filter_correction``: with
+    ``tile_bound``, ``curvature_sum`` and ``classifier_row_sum``: from :func:`loss_forward`. ``filter_correction``: with
     filtering and no softcap, dE gets back what the filter dropped (:mod:`cce.sparse_tile_matmul`).
     ``keep_tiles``: recompute each live tile once, into memory of its own
     (:func:`cce.backward.linear_cross_entropy_backward`)."""
     order = order if order.numel() else None
     curvature_sum = curvature_sum if curvature_sum.numel() else None
+    classifier_row_sum = classifier_row_sum if classifier_row_sum.numel() else None
     if grad_loss is None:
         grad_loss = torch.zeros_like(lse)
     weighting = LossWeighting(weight, label_smoothing)
@@ -213,7 +223,7 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         e, c, positions, bias, softcap, lse, prob_scale, target_scale, order, live, filter_eps,
         needs_grad_e=needs_grad_e, needs_grad_c=needs_grad_c,
         mass_correction=uses_mass_correction(filter_correction, filter_eps, softcap),
-        rank_one=rank_one, keep_tiles=keep_tiles)
+        rank_one=rank_one, keep_tiles=keep_tiles, classifier_row_sum=classifier_row_sum)
     return (_or_empty(grad_e, e.dtype, e.device), _or_empty(grad_c, c.dtype, c.device),
             _or_empty(grad_bias, c.dtype, c.device))
 
@@ -240,7 +250,7 @@ def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
 
 @loss_backward.register_fake
 def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum,
-                        grad_loss, grad_lse, softcap, filter_eps, filter_correction,
+                        classifier_row_sum, grad_loss, grad_lse, softcap, filter_eps, filter_correction,
                         label_smoothing, keep_tiles, needs_grad_e, needs_grad_c):
     return (e.new_empty(e.shape if needs_grad_e else (0,)),
             c.new_empty(c.shape if needs_grad_c else (0,)),
@@ -253,23 +263,25 @@ def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, cur
 def _loss_forward_setup_context(ctx, inputs, output) -> None:
     (e, c, bias, targets, weight, softcap, filter_eps, _, filter_correction, label_smoothing, _,
      keep_tiles, _, _) = inputs
-    _, lse, order, tile_bound, curvature_sum = output
-    ctx.mark_non_differentiable(order, tile_bound, curvature_sum)
+    _, lse, order, tile_bound, curvature_sum, row_sum = output
+    ctx.mark_non_differentiable(order, tile_bound, curvature_sum, row_sum)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum)
+    ctx.save_for_backward(e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum,
+                          row_sum)
     ctx.options = (softcap, filter_eps, filter_correction, label_smoothing, keep_tiles)
 
 
 def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
                            grad_lse: Optional[torch.Tensor], _grad_order, _grad_tile_bound,
-                           _grad_curvature_sum):
+                           _grad_curvature_sum, _grad_row_sum):
     """Gradients of e, c and bias (None for the targets and the options)."""
-    e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum = ctx.saved_tensors
+    e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum, row_sum = (
+        ctx.saved_tensors)
     needs_e, needs_c, needs_bias = ctx.needs_input_grad[:3]
     with torch.no_grad():  # under create_graph=True too: see _differentiable_once
         grad_e, grad_c, grad_bias = loss_backward(
-            e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum, grad_loss,
-            grad_lse, *ctx.options,
+            e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum, row_sum,
+            grad_loss, grad_lse, *ctx.options,
             needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
     gradients = _differentiable_once(
         [grad for grad, needed in ((grad_e, needs_e), (grad_c, needs_c), (grad_bias, needs_bias))
@@ -356,6 +368,6 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     arguments = (e, c, bias, targets.contiguous(), weighting.weight, softcap, filter_eps,
                  vocab_sorting, filter_correction, weighting.label_smoothing, deterministic,
                  keep_tiles, needs_grad, needs_grad and c.requires_grad)
-    loss, lse, _, _, _ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
+    loss, lse, *_ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
                           else loss_forward(*arguments))
     return loss, lse

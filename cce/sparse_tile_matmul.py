@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from cce import classifier_product
+from cce.classifier_sums import classifier_sums
 from cce.config import dot_precision, kernel_configs, split_count
 from cce.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.live_lists import TileLists, live_lists
@@ -57,19 +58,22 @@ class MassCorrection(NamedTuple):
 
     @classmethod
     def of(cls, c: torch.Tensor, prob_scale: torch.Tensor,
-           shard_mass: Optional[torch.Tensor] = None) -> "MassCorrection":
+           shard_mass: Optional[torch.Tensor] = None,
+           row_sum: Optional[torch.Tensor] = None) -> "MassCorrection":
         """Before pass 1, which adds the kept mass up. ``shard_mass``: float32 (N,), each row's
-        softmax mass in c when c is one shard of the vocabulary (None: all of it, 1)."""
-        # A matrix-vector product, not torch.mean: on a GPU, torch's reduction over the rows
-        # stages partial sums in buffers of 120-270 MB at these shapes (H200, measured).
-        row_sum = torch.mv(c.T, c.new_ones(c.shape[0]))
+        softmax mass in c when c is one shard of the vocabulary (None: all of it, 1).
+        ``row_sum``: float32 (D,) ``c.sum(0)`` where the forward has it (None: read c here)."""
+        if row_sum is None:
+            # Not torch.sum: on a GPU, its reduction over the rows stages partial sums in
+            # buffers of 120-270 MB at these shapes (H200, measured).
+            row_sum = classifier_sums(c).row_sum
         kept_mass = torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device)
         if shard_mass is not None:
             # Starting from the mass outside the shard, 1 - kept mass is what the filter dropped
             # in the shard. (A NaN row's gradient is NaN through its tiles anyway.)
             outside = (1 - shard_mass.double().clamp(0, 1)).nan_to_num(0)
             kept_mass = (outside * KEPT_MASS_ONE.value).long()
-        return cls(row_sum.float() / c.shape[0], prob_scale, kept_mass)
+        return cls(row_sum / c.shape[0], prob_scale, kept_mass)
 
 
 class RankOneUpdate(NamedTuple):

@@ -37,7 +37,7 @@ from cce.cce_function import (needs_gradient, recompute_table, tokenless_loss,
 from cce.config import check_interpreter_usable, interpreting
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
-from cce.vocab_order import target_positions, vocab_order
+from cce.vocab_order import sort_vocabulary, target_positions
 
 # The implementations that run vocabulary-parallel: the kernels, and materialized local logits
 # (a reference whose backward is autograd's).
@@ -175,8 +175,10 @@ class VocabParallelFunction(torch.autograd.Function):
                 needs_grad: bool):
         records_bounds = needs_grad and filter_eps is not None
         # The order and the bounds are over the rows with a loss, wherever their target is:
-        # vocab_order and lse_forward only read which targets are ignored (-1).
-        order = vocab_order(e, c, bias, targets) if records_bounds and vocab_sorting else None
+        # sort_vocabulary and lse_forward only read which targets are ignored (-1).
+        order = row_sum = None
+        if records_bounds and vocab_sorting:
+            order, row_sum = sort_vocabulary(e, c, bias, targets)
         target_logit = indexed_dot(e, c, local_targets, bias, softcap)  # 0 off the shard
         dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
         local_lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
@@ -188,7 +190,7 @@ class VocabParallelFunction(torch.autograd.Function):
         mass_correction = uses_mass_correction(filter_correction, filter_eps, softcap)
         shard_mass = torch.exp(local_lse - lse) if mass_correction and needs_grad else None
         ctx.save_for_backward(e, c, bias, targets, local_targets, lse, order, tile_bound,
-                              shard_mass)
+                              shard_mass, row_sum)
         ctx.group = group
         ctx.softcap = softcap
         ctx.filter_eps = filter_eps
@@ -197,7 +199,8 @@ class VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
-        e, c, bias, targets, local_targets, lse, order, tile_bound, shard_mass = ctx.saved_tensors
+        (e, c, bias, targets, local_targets, lse, order, tile_bound, shard_mass,
+         row_sum) = ctx.saved_tensors
         # The softmax part of the gradient is every row's with a loss or an lse gradient; the
         # target part only the shard's targets' (positions -1 elsewhere).
         target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
@@ -217,6 +220,7 @@ class VocabParallelFunction(torch.autograd.Function):
             ctx.filter_eps, needs_grad_e=needs_grad_e,
             needs_grad_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
             mass_correction=ctx.mass_correction, shard_mass=shard_mass,
+            classifier_row_sum=row_sum,
             grad_e_dtype=torch.float32 if needs_grad_e else None)
         if grad_e is not None:
             dist.all_reduce(grad_e, op=dist.ReduceOp.SUM, group=ctx.group)

@@ -589,8 +589,8 @@ def cce_table_fraction(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) 
     eps = default_filter_eps(e.dtype)
     targets = torch.where(targets >= 0, targets, -1)  # cce's canonical targets
     with torch.no_grad():
-        order, _, lse, tile_bound = forward_kernels(e, c, None, targets, None,
-                                                    records_bounds=True, vocab_sorting=True)
+        order, _, lse, tile_bound, _ = forward_kernels(e, c, None, targets, None,
+                                                       records_bounds=True, vocab_sorting=True)
         table = recompute_table(tile_bound, lse, (targets >= 0).float(),
                                 target_positions(targets, order), e.dtype, eps)
     return float(table.ne(0).float().mean())

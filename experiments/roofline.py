@@ -48,7 +48,7 @@ QUICK_SHAPES = (("quick", "tiny (CPU smoke test)", 96, 1000, 72),)
 
 # The launchers traced: (module, attribute, step name, kind of work).
 STEPS = (
-    (cce.cce_function, "vocab_order", "vocabulary order", "bytes"),
+    (cce.cce_function, "sort_vocabulary", "vocabulary order", "bytes"),
     (cce.cce_function, "indexed_dot", "target logits (indexed dot)", "bytes"),
     (cce.cce_function, "lse_forward", "log-sum-exp forward", "logits"),
     (cce.cce_function, "recompute_table", "table of tiles to recompute", "bytes"),

@@ -22,6 +22,7 @@ import cce.backward
 import cce.classifier_product
 import cce.sparse_tile_matmul
 from cce.cce_function import loss_backward, loss_forward
+from cce.classifier_sums import classifier_sums
 from cce.config import kernel_configs
 from cce.host_copy import start_host_copy
 from cce.live_lists import live_lists
@@ -282,6 +283,24 @@ def test_sum_partials_adds_the_splits_in_order_and_rounds_once(dtype: torch.dtyp
     assert not out[:5].any() and not out[42:].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_classifier_sums_give_both_sums_from_one_read(dtype: torch.dtype, device: str,
+                                                      gen: torch.Generator) -> None:
+    """c @ vector and c.sum(0) in float32, near float64 at sizes that are no multiple of the
+    kernel's blocks, for a c with rows of any stride; the row sum is the same bits with or
+    without the vector, so the backward's mass correction does not depend on which computed it."""
+    full = torch.randn(333, 300, generator=gen).to(device=device, dtype=dtype)
+    for c in (full[:, :201], full[:, ::2]):
+        vector = torch.randn(c.shape[1], generator=gen).to(device=device, dtype=dtype)
+        dots, row_sum = classifier_sums(c, vector)
+        assert dots.dtype == row_sum.dtype == torch.float32
+        assert relative_error(dots, c.double() @ vector.double()) < 1e-6
+        assert relative_error(row_sum, c.double().sum(0)) < 1e-6
+        alone = classifier_sums(c)
+        assert alone.dots is None and torch.equal(alone.row_sum, row_sum)
+        assert torch.equal(classifier_sums(c, vector).dots, dots)  # deterministic
+
+
 def test_sum_partials_rejects_an_output_it_cannot_write_in_place(device: str) -> None:
     partial = torch.zeros(2, 8, 4, device=device)
     with pytest.raises(ValueError, match=r"out must be a contiguous \(8, 4\) tensor"):
@@ -300,15 +319,16 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
     vocab, dim = _shape(torch.bfloat16)
     e, c, targets = peaked_inputs(gen, device, N, vocab, dim)
     e, c = e.bfloat16(), c.bfloat16()
-    _, lse, order, tile_bound, curvature_sum = loss_forward(
+    _, lse, order, tile_bound, curvature_sum, row_sum = loss_forward(
         e, c, None, targets, None, None, 2.0**-12, True, True, 0.0, False, False, True, True)
     grad_loss = torch.rand(N, generator=gen).to(device)
 
     def grad_c(with_grad_e: bool) -> "tuple[torch.Tensor, int]":
         listed.clear()
         _, gradient, _ = loss_backward(e, c, None, targets, None, lse, order, tile_bound + 4.0,
-                                       curvature_sum, grad_loss, None, None, 2.0**-12, True, 0.0,
-                                       False, needs_grad_e=with_grad_e, needs_grad_c=True)
+                                       curvature_sum, row_sum, grad_loss, None, None, 2.0**-12,
+                                       True, 0.0, False, needs_grad_e=with_grad_e,
+                                       needs_grad_c=True)
         return gradient, sum(int(args[11].counts.sum()) for args in listed)
 
     beside, stored_beside = grad_c(with_grad_e=True)
@@ -339,14 +359,14 @@ def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
     tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7
     e, c, targets = peaked_inputs(gen, device, tokens, vocab, dim)
     e, c = e.bfloat16(), c.bfloat16()
-    _, lse, order, tile_bound, curvature_sum = loss_forward(
+    _, lse, order, tile_bound, curvature_sum, row_sum = loss_forward(
         e, c, None, targets, None, None, 2.0**-12, True, True, 0.0, False, False, True, True)
     grad_loss = torch.rand(tokens, generator=gen).to(device)
 
     def grad_c() -> torch.Tensor:
         _, gradient, _ = loss_backward(e, c, None, targets, None, lse, order, tile_bound,
-                                       curvature_sum, grad_loss, None, None, 2.0**-12, True, 0.0,
-                                       False, needs_grad_e=True, needs_grad_c=True)
+                                       curvature_sum, row_sum, grad_loss, None, None, 2.0**-12,
+                                       True, 0.0, False, needs_grad_e=True, needs_grad_c=True)
         return gradient
 
     with_tma = grad_c()

@@ -240,13 +240,40 @@ def test_forward_only_calls_prepare_no_backward(gen: torch.Generator, device: st
     def must_not_run(*args, **kwargs):
         raise AssertionError("vocab_order ran")
 
-    monkeypatch.setattr(cce.cce_function, "vocab_order", must_not_run)
+    monkeypatch.setattr(cce.cce_function, "sort_vocabulary", must_not_run)
     e, c, targets = peaked_inputs(gen, device, N, V, D)
     e.requires_grad_()
     with torch.no_grad():
         cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
     with pytest.raises(AssertionError, match="vocab_order ran"):
         cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
+
+
+def test_a_training_call_reads_c_once_for_the_order_and_the_mean_row(
+        gen: torch.Generator, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vocabulary order's average logits and the mass correction's mean row of c come from
+    one read of c, in the forward; without sorting, the backward reads c for the mean row."""
+    import cce
+    import cce.sparse_tile_matmul
+    import cce.vocab_order
+    from cce.classifier_sums import classifier_sums
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(len(args) + len(kwargs))
+        return classifier_sums(*args, **kwargs)
+
+    monkeypatch.setattr(cce.vocab_order, "classifier_sums", counted)
+    monkeypatch.setattr(cce.sparse_tile_matmul, "classifier_sums", counted)
+    e, c, targets = peaked_inputs(gen, device, N, V, D)
+    e.requires_grad_()
+    c.requires_grad_()
+    cce.linear_cross_entropy(e, c, targets, ignore_index=-1).backward()
+    assert calls == [2]  # c and the mean embedding, once
+    calls.clear()
+    cce.linear_cross_entropy(e, c, targets, ignore_index=-1, vocab_sorting=False).backward()
+    assert calls == [1]  # c alone, in the backward
 
 
 def test_forward_copies_c_in_position_order_only_into_memory_the_backward_takes(

@@ -1,0 +1,92 @@
+"""Two sums over the classifier from one read of it: each row's product with a vector, and the
+sum of the rows.
+
+A training call needs both, and each reads all of ``c`` (V x D, the largest input): the
+vocabulary order ranks rows by ``c_v . mean(e)`` (:mod:`cce.vocab_order`), and the backward's
+mass correction adds back what the filter dropped along the mean row of ``c``
+(:class:`cce.sparse_tile_matmul.MassCorrection`). One pass gives both.
+
+Each program owns a contiguous run of row blocks and walks it once per D slice: the rows'
+products accumulate in float32 in the output, slice after slice, and the slice's column sums in
+registers, written once per slice to the program's row of a float32 partial table. The host
+adds the table's rows in order, so the sums do not depend on the schedule.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from cce.config import interpreting
+
+_BLOCK_ROWS, _BLOCK_DIM, _NUM_WARPS = 64, 128, 8
+_INTERPRETER_BLOCK_ROWS, _INTERPRETER_BLOCK_DIM = 64, 64
+_PROGRAMS_PER_SM = 2
+_INTERPRETER_PROGRAMS = 3
+
+
+@triton.jit
+def classifier_sums_kernel(c_ptr, vector_ptr, dots_ptr, column_partial_ptr, num_rows, dim,
+                           stride_row, stride_dim, blocks_per_program, HAS_VECTOR: tl.constexpr,
+                           BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+    program = tl.program_id(0)
+    first_block = program * blocks_per_program
+    for dim_start in range(0, dim, BLOCK_DIM):
+        dims = dim_start + tl.arange(0, BLOCK_DIM)
+        dim_mask = dims < dim
+        if HAS_VECTOR:
+            vector = tl.load(vector_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
+        column_sum = tl.zeros((BLOCK_ROWS, BLOCK_DIM), dtype=tl.float32)
+        for block in range(first_block, first_block + blocks_per_program):
+            rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < num_rows
+            tile = tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_row
+                           + dims[None, :] * stride_dim,
+                           mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(tl.float32)
+            column_sum += tile
+            if HAS_VECTOR:
+                # The first slice starts each row's sum; later ones add to what it wrote.
+                dot = tl.load(dots_ptr + rows, mask=row_mask & (dim_start > 0), other=0.0)
+                dot += tl.sum(tile * vector[None, :], axis=1)
+                tl.store(dots_ptr + rows, dot, mask=row_mask)
+        tl.store(column_partial_ptr + program * dim + dims, tl.sum(column_sum, axis=0),
+                 mask=dim_mask)
+        # The next slice's threads read the products this one's threads wrote.
+        tl.debug_barrier()
+
+
+class ClassifierSums(NamedTuple):
+    dots: Optional[torch.Tensor]  # float32 (V,): c @ vector; None without a vector
+    row_sum: torch.Tensor  # float32 (D,): the sum of the rows of c
+
+
+def classifier_sums(c: torch.Tensor, vector: Optional[torch.Tensor] = None) -> ClassifierSums:
+    """``c @ vector`` (when given) and ``c.sum(0)``, both float32, from one read of ``c``
+    (V, D). Deterministic: the same inputs on the same device give the same bits."""
+    num_rows, dim = c.shape
+    if num_rows == 0 or dim == 0:
+        return ClassifierSums(c.new_zeros(num_rows, dtype=torch.float32)
+                              if vector is not None else None,
+                              c.new_zeros(dim, dtype=torch.float32))
+    if interpreting():
+        block_rows, block_dim, programs = (_INTERPRETER_BLOCK_ROWS, _INTERPRETER_BLOCK_DIM,
+                                           _INTERPRETER_PROGRAMS)
+    else:
+        block_rows, block_dim = _BLOCK_ROWS, _BLOCK_DIM
+        programs = (_PROGRAMS_PER_SM
+                    * torch.cuda.get_device_properties(c.device).multi_processor_count)
+    num_blocks = triton.cdiv(num_rows, block_rows)
+    blocks_per_program = triton.cdiv(num_blocks, min(programs, num_blocks))
+    programs = triton.cdiv(num_blocks, blocks_per_program)
+    dots = (torch.empty(num_rows, dtype=torch.float32, device=c.device)
+            if vector is not None else None)
+    column_partial = torch.empty((programs, dim), dtype=torch.float32, device=c.device)
+    classifier_sums_kernel[(programs,)](
+        c, vector, dots, column_partial, num_rows, dim, c.stride(0), c.stride(1),
+        blocks_per_program,
+        HAS_VECTOR=vector is not None, BLOCK_ROWS=block_rows, BLOCK_DIM=block_dim,
+        num_warps=_NUM_WARPS)
+    return ClassifierSums(dots, column_partial.sum(0))
