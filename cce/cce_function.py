@@ -192,8 +192,9 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` (a None gradient counts as
     0), each empty when not needed (dC and dbias both come with ``needs_grad_c``). ``order``,
-    ``tile_bound``, ``curvature_sum`` and ``classifier_row_sum``: from :func:`loss_forward`. ``filter_correction``: with
-    filtering and no softcap, dE gets back what the filter dropped (:mod:`cce.sparse_tile_matmul`).
+    ``tile_bound``, ``curvature_sum`` and ``classifier_row_sum``: from :func:`loss_forward`.
+    ``filter_correction``: with filtering and no softcap, dE gets back what the filter dropped
+    (:mod:`cce.sparse_tile_matmul`).
     ``keep_tiles``: recompute each live tile once, into memory of its own
     (:func:`cce.backward.linear_cross_entropy_backward`)."""
     order = order if order.numel() else None
@@ -250,8 +251,9 @@ def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
 
 @loss_backward.register_fake
 def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum,
-                        classifier_row_sum, grad_loss, grad_lse, softcap, filter_eps, filter_correction,
-                        label_smoothing, keep_tiles, needs_grad_e, needs_grad_c):
+                        classifier_row_sum, grad_loss, grad_lse, softcap, filter_eps,
+                        filter_correction, label_smoothing, keep_tiles, needs_grad_e,
+                        needs_grad_c):
     return (e.new_empty(e.shape if needs_grad_e else (0,)),
             c.new_empty(c.shape if needs_grad_c else (0,)),
             c.new_empty(bias.shape if needs_grad_c and bias is not None else (0,)))
@@ -369,5 +371,5 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                  vocab_sorting, filter_correction, weighting.label_smoothing, deterministic,
                  keep_tiles, needs_grad, needs_grad and c.requires_grad)
     loss, lse, *_ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
-                          else loss_forward(*arguments))
+                     else loss_forward(*arguments))
     return loss, lse

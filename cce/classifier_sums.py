@@ -6,10 +6,11 @@ vocabulary order ranks rows by ``c_v . mean(e)`` (:mod:`cce.vocab_order`), and t
 mass correction adds back what the filter dropped along the mean row of ``c``
 (:class:`cce.sparse_tile_matmul.MassCorrection`). One pass gives both.
 
-Each program owns a contiguous run of row blocks and walks it once per D slice: the rows'
-products accumulate in float32 in the output, slice after slice, and the slice's column sums in
-registers, written once per slice to the program's row of a float32 partial table. The host
-adds the table's rows in order, so the sums do not depend on the schedule.
+The programs form a grid of row chunks x D slices. Each walks its chunk's row blocks within its
+slice: the column sums accumulate in registers and are written once, to the chunk's row of a
+float32 table; each row's product over the slice goes to the slice's row of another. Adding both
+tables over their first axis afterwards gives the sums, in an order that does not depend on the
+schedule, so the same inputs give the same bits.
 """
 
 from __future__ import annotations
@@ -22,40 +23,34 @@ import triton.language as tl
 
 from cce.config import interpreting
 
-_BLOCK_ROWS, _BLOCK_DIM, _NUM_WARPS = 64, 128, 8
-_INTERPRETER_BLOCK_ROWS, _INTERPRETER_BLOCK_DIM = 64, 64
-_PROGRAMS_PER_SM = 2
-_INTERPRETER_PROGRAMS = 3
+# 64 x 256 tiles, two programs per SM: 2.1-2.6 TB/s of c on an H100 where narrower tiles or more
+# programs read slower (results/dev/h100_classifier_sums_tuning.json).
+_BLOCK_ROWS, _BLOCK_DIM, _NUM_WARPS, _NUM_STAGES, _PROGRAMS_PER_SM = 64, 256, 8, 3, 2
+_INTERPRETER_BLOCK_ROWS, _INTERPRETER_BLOCK_DIM, _INTERPRETER_PROGRAMS = 32, 64, 12
 
 
 @triton.jit
 def classifier_sums_kernel(c_ptr, vector_ptr, dots_ptr, column_partial_ptr, num_rows, dim,
                            stride_row, stride_dim, blocks_per_program, HAS_VECTOR: tl.constexpr,
                            BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
-    program = tl.program_id(0)
-    first_block = program * blocks_per_program
-    for dim_start in range(0, dim, BLOCK_DIM):
-        dims = dim_start + tl.arange(0, BLOCK_DIM)
-        dim_mask = dims < dim
+    chunk = tl.program_id(0)
+    dim_slice = tl.program_id(1)
+    dims = dim_slice * BLOCK_DIM + tl.arange(0, BLOCK_DIM)
+    dim_mask = dims < dim
+    if HAS_VECTOR:
+        vector = tl.load(vector_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    column_sum = tl.zeros((BLOCK_ROWS, BLOCK_DIM), dtype=tl.float32)
+    for block in range(chunk * blocks_per_program, (chunk + 1) * blocks_per_program):
+        rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < num_rows
+        tile = tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_row
+                       + dims[None, :] * stride_dim,
+                       mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(tl.float32)
+        column_sum += tile
         if HAS_VECTOR:
-            vector = tl.load(vector_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
-        column_sum = tl.zeros((BLOCK_ROWS, BLOCK_DIM), dtype=tl.float32)
-        for block in range(first_block, first_block + blocks_per_program):
-            rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-            row_mask = rows < num_rows
-            tile = tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_row
-                           + dims[None, :] * stride_dim,
-                           mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(tl.float32)
-            column_sum += tile
-            if HAS_VECTOR:
-                # The first slice starts each row's sum; later ones add to what it wrote.
-                dot = tl.load(dots_ptr + rows, mask=row_mask & (dim_start > 0), other=0.0)
-                dot += tl.sum(tile * vector[None, :], axis=1)
-                tl.store(dots_ptr + rows, dot, mask=row_mask)
-        tl.store(column_partial_ptr + program * dim + dims, tl.sum(column_sum, axis=0),
-                 mask=dim_mask)
-        # The next slice's threads read the products this one's threads wrote.
-        tl.debug_barrier()
+            tl.store(dots_ptr + dim_slice.to(tl.int64) * num_rows + rows,
+                     tl.sum(tile * vector[None, :], axis=1), mask=row_mask)
+    tl.store(column_partial_ptr + chunk * dim + dims, tl.sum(column_sum, axis=0), mask=dim_mask)
 
 
 class ClassifierSums(NamedTuple):
@@ -78,15 +73,16 @@ def classifier_sums(c: torch.Tensor, vector: Optional[torch.Tensor] = None) -> C
         block_rows, block_dim = _BLOCK_ROWS, _BLOCK_DIM
         programs = (_PROGRAMS_PER_SM
                     * torch.cuda.get_device_properties(c.device).multi_processor_count)
+    slices = triton.cdiv(dim, block_dim)
     num_blocks = triton.cdiv(num_rows, block_rows)
-    blocks_per_program = triton.cdiv(num_blocks, min(programs, num_blocks))
-    programs = triton.cdiv(num_blocks, blocks_per_program)
-    dots = (torch.empty(num_rows, dtype=torch.float32, device=c.device)
+    blocks_per_program = triton.cdiv(num_blocks, max(1, min(num_blocks, programs // slices)))
+    chunks = triton.cdiv(num_blocks, blocks_per_program)
+    dots = (torch.empty((slices, num_rows), dtype=torch.float32, device=c.device)
             if vector is not None else None)
-    column_partial = torch.empty((programs, dim), dtype=torch.float32, device=c.device)
-    classifier_sums_kernel[(programs,)](
+    column_partial = torch.empty((chunks, dim), dtype=torch.float32, device=c.device)
+    classifier_sums_kernel[(chunks, slices)](
         c, vector, dots, column_partial, num_rows, dim, c.stride(0), c.stride(1),
         blocks_per_program,
         HAS_VECTOR=vector is not None, BLOCK_ROWS=block_rows, BLOCK_DIM=block_dim,
-        num_warps=_NUM_WARPS)
-    return ClassifierSums(dots, column_partial.sum(0))
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+    return ClassifierSums(dots.sum(0) if dots is not None else None, column_partial.sum(0))

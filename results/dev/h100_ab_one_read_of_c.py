@@ -1,5 +1,6 @@
 """One read of c for the vocabulary order and the mass correction's mean row, against two
-(A/B, run on an H100; writes h200_ab_one_read_of_c.json, kept as h100_ab_one_read_of_c.json).
+(A/B, run on an H100; writes ab_one_read_of_c.json, kept as h100_ab_one_read_of_c.json for the
+first kernel and h100_ab_one_read_of_c_tuned.json for the kernel of 64 x 256 slices).
 
 1. The sums alone: ``classifier_sums(c, mean_e)`` (both sums, one read) against
    ``torch.mv(c, mean_e)`` and ``torch.mv(c.T, ones)`` (the two reads of before), and
@@ -72,7 +73,7 @@ def main(out_dir: Path) -> None:
                                            "round": round_index, "fwd_bwd_ms": ms})
                 print(results["timings"][-1], flush=True)
         cce_function.sort_vocabulary = one_read
-    (out_dir / "h200_ab_one_read_of_c.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "ab_one_read_of_c.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
