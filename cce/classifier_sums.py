@@ -27,6 +27,7 @@ from cce.config import interpreting
 # programs read slower (results/dev/h100_classifier_sums_tuning.json).
 _BLOCK_ROWS, _BLOCK_DIM, _NUM_WARPS, _NUM_STAGES, _PROGRAMS_PER_SM = 64, 256, 8, 3, 2
 _INTERPRETER_BLOCK_ROWS, _INTERPRETER_BLOCK_DIM, _INTERPRETER_PROGRAMS = 32, 64, 12
+_TORCH_ROWS = 4096
 
 
 @triton.jit
@@ -66,6 +67,8 @@ def classifier_sums(c: torch.Tensor, vector: Optional[torch.Tensor] = None) -> C
         return ClassifierSums(c.new_zeros(num_rows, dtype=torch.float32)
                               if vector is not None else None,
                               c.new_zeros(dim, dtype=torch.float32))
+    if c.device.type != "cuda" and not interpreting():
+        return _sums_by_torch(c, vector)
     if interpreting():
         block_rows, block_dim, programs = (_INTERPRETER_BLOCK_ROWS, _INTERPRETER_BLOCK_DIM,
                                            _INTERPRETER_PROGRAMS)
@@ -86,3 +89,14 @@ def classifier_sums(c: torch.Tensor, vector: Optional[torch.Tensor] = None) -> C
         HAS_VECTOR=vector is not None, BLOCK_ROWS=block_rows, BLOCK_DIM=block_dim,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     return ClassifierSums(dots.sum(0) if dots is not None else None, column_partial.sum(0))
+
+
+def _sums_by_torch(c: torch.Tensor, vector: Optional[torch.Tensor]) -> ClassifierSums:
+    """The same sums for a ``c`` the kernel cannot read (on the CPU without the interpreter),
+    in float32, a block of rows at a time so that no float32 copy of ``c`` is made."""
+    row_sum = c.sum(0, dtype=torch.float32)
+    if vector is None:
+        return ClassifierSums(None, row_sum)
+    vector = vector.float()
+    return ClassifierSums(torch.cat([rows.float() @ vector for rows in c.split(_TORCH_ROWS)]),
+                          row_sum)

@@ -301,6 +301,23 @@ def test_classifier_sums_give_both_sums_from_one_read(dtype: torch.dtype, device
         assert torch.equal(classifier_sums(c, vector).dots, dots)  # deterministic
 
 
+def test_classifier_sums_of_a_cpu_classifier_without_the_interpreter(
+        gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU c where no kernel can run (the vocabulary order of experiments on CPU tensors, on a
+    machine with a GPU): the same float32 sums, from PyTorch, a block of rows at a time."""
+    import cce.classifier_sums
+
+    monkeypatch.setattr(cce.classifier_sums, "interpreting", lambda: False)
+    monkeypatch.setattr(cce.classifier_sums, "_TORCH_ROWS", 100)
+    c = torch.randn(333, 201, generator=gen).bfloat16()
+    vector = torch.randn(201, generator=gen).bfloat16()
+    dots, row_sum = classifier_sums(c, vector)
+    assert dots.dtype == row_sum.dtype == torch.float32 and dots.shape == (333,)
+    assert relative_error(dots, c.double() @ vector.double()) < 1e-6
+    assert relative_error(row_sum, c.double().sum(0)) < 1e-6
+    assert torch.equal(classifier_sums(c).row_sum, row_sum)
+
+
 def test_sum_partials_rejects_an_output_it_cannot_write_in_place(device: str) -> None:
     partial = torch.zeros(2, 8, 4, device=device)
     with pytest.raises(ValueError, match=r"out must be a contiguous \(8, 4\) tensor"):
