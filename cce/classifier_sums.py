@@ -26,7 +26,9 @@ from cce.config import interpreting
 # 64 x 256 tiles, two programs per SM: 2.1-2.6 TB/s of c on an H100 where narrower tiles or more
 # programs read slower (results/dev/h100_classifier_sums_tuning.json).
 _BLOCK_ROWS, _BLOCK_DIM, _NUM_WARPS, _NUM_STAGES, _PROGRAMS_PER_SM = 64, 256, 8, 3, 2
-_INTERPRETER_BLOCK_ROWS, _INTERPRETER_BLOCK_DIM, _INTERPRETER_PROGRAMS = 32, 64, 12
+# The interpreter's time grows with programs x steps: few, large steps (0.2 s for 5000 x 300 rows
+# against 2.2 s with 32 x 64 steps and 12 programs), still several chunks and slices.
+_INTERPRETER_BLOCK_ROWS, _INTERPRETER_BLOCK_DIM, _INTERPRETER_PROGRAMS = 256, 128, 4
 _TORCH_ROWS = 4096
 
 
