@@ -26,8 +26,8 @@ from cce.config import interpreting
 # 64 x 256 tiles, two programs per SM: 2.1-2.6 TB/s of c on an H100 where narrower tiles or more
 # programs read slower (results/dev/h100_classifier_sums_tuning.json).
 _BLOCK_ROWS, _BLOCK_DIM, _NUM_WARPS, _NUM_STAGES, _PROGRAMS_PER_SM = 64, 256, 8, 3, 2
-# The interpreter's time grows with programs x steps: few, large steps (0.2 s for 5000 x 300 rows
-# against 2.2 s with 32 x 64 steps and 12 programs), still several chunks and slices.
+# The interpreter's time grows with programs x steps: few, large steps, still several chunks and
+# slices at the test's sizes.
 _INTERPRETER_BLOCK_ROWS, _INTERPRETER_BLOCK_DIM, _INTERPRETER_PROGRAMS = 256, 128, 4
 _TORCH_ROWS = 4096
 
@@ -63,14 +63,22 @@ class ClassifierSums(NamedTuple):
 
 def classifier_sums(c: torch.Tensor, vector: Optional[torch.Tensor] = None) -> ClassifierSums:
     """``c @ vector`` (when given) and ``c.sum(0)``, both float32, from one read of ``c``
-    (V, D). Deterministic: the same inputs on the same device give the same bits."""
+    (V, D). Deterministic: the same inputs on the same device give the same bits. On a GPU, the
+    kernel; on the CPU, PyTorch (in Triton's interpreter the kernel takes seconds per call: its
+    test runs it there through :func:`classifier_sums_by_kernel`)."""
+    if c.device.type != "cuda":
+        return _sums_by_torch(c, vector)
+    return classifier_sums_by_kernel(c, vector)
+
+
+def classifier_sums_by_kernel(c: torch.Tensor,
+                              vector: Optional[torch.Tensor] = None) -> ClassifierSums:
+    """:func:`classifier_sums` by the kernel, on a GPU or in Triton's interpreter."""
     num_rows, dim = c.shape
     if num_rows == 0 or dim == 0:
         return ClassifierSums(c.new_zeros(num_rows, dtype=torch.float32)
                               if vector is not None else None,
                               c.new_zeros(dim, dtype=torch.float32))
-    if c.device.type != "cuda" and not interpreting():
-        return _sums_by_torch(c, vector)
     if interpreting():
         block_rows, block_dim, programs = (_INTERPRETER_BLOCK_ROWS, _INTERPRETER_BLOCK_DIM,
                                            _INTERPRETER_PROGRAMS)
@@ -94,8 +102,8 @@ def classifier_sums(c: torch.Tensor, vector: Optional[torch.Tensor] = None) -> C
 
 
 def _sums_by_torch(c: torch.Tensor, vector: Optional[torch.Tensor]) -> ClassifierSums:
-    """The same sums for a ``c`` the kernel cannot read (on the CPU without the interpreter),
-    in float32, a block of rows at a time so that no float32 copy of ``c`` is made."""
+    """The same sums on the CPU, in float32, a block of rows at a time so that no float32 copy
+    of ``c`` is made."""
     row_sum = c.sum(0, dtype=torch.float32)
     if vector is None:
         return ClassifierSums(None, row_sum)

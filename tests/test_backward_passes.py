@@ -22,7 +22,7 @@ import cce.backward
 import cce.classifier_product
 import cce.sparse_tile_matmul
 from cce.cce_function import loss_backward, loss_forward
-from cce.classifier_sums import classifier_sums
+from cce.classifier_sums import classifier_sums, classifier_sums_by_kernel
 from cce.config import kernel_configs
 from cce.host_copy import start_host_copy
 from cce.live_lists import live_lists
@@ -284,30 +284,30 @@ def test_sum_partials_adds_the_splits_in_order_and_rounds_once(dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_classifier_sums_give_both_sums_from_one_read(dtype: torch.dtype, device: str,
-                                                      gen: torch.Generator) -> None:
+def test_classifier_sums_kernel_gives_both_sums_from_one_read(dtype: torch.dtype, device: str,
+                                                              gen: torch.Generator) -> None:
     """c @ vector and c.sum(0) in float32, near float64 at sizes that are no multiple of the
     kernel's blocks, for a c with rows of any stride; the row sum is the same bits with or
     without the vector, so the backward's mass correction does not depend on which computed it."""
     full = torch.randn(333, 300, generator=gen).to(device=device, dtype=dtype)
     for c in (full[:, :201], full[:, ::2]):
         vector = torch.randn(c.shape[1], generator=gen).to(device=device, dtype=dtype)
-        dots, row_sum = classifier_sums(c, vector)
+        dots, row_sum = classifier_sums_by_kernel(c, vector)
         assert dots.dtype == row_sum.dtype == torch.float32
         assert relative_error(dots, c.double() @ vector.double()) < 1e-6
         assert relative_error(row_sum, c.double().sum(0)) < 1e-6
-        alone = classifier_sums(c)
+        alone = classifier_sums_by_kernel(c)
         assert alone.dots is None and torch.equal(alone.row_sum, row_sum)
-        assert torch.equal(classifier_sums(c, vector).dots, dots)  # deterministic
+        assert torch.equal(classifier_sums_by_kernel(c, vector).dots, dots)  # deterministic
+        if device == "cuda":  # what the loss calls: the kernel on a GPU
+            assert torch.equal(classifier_sums(c, vector).dots, dots)
 
 
-def test_classifier_sums_of_a_cpu_classifier_without_the_interpreter(
-        gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU c where no kernel can run (the vocabulary order of experiments on CPU tensors, on a
-    machine with a GPU): the same float32 sums, from PyTorch, a block of rows at a time."""
+def test_classifier_sums_of_a_cpu_classifier(gen: torch.Generator,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU c: the same float32 sums, from PyTorch, a block of rows at a time."""
     import cce.classifier_sums
 
-    monkeypatch.setattr(cce.classifier_sums, "interpreting", lambda: False)
     monkeypatch.setattr(cce.classifier_sums, "_TORCH_ROWS", 100)
     c = torch.randn(333, 201, generator=gen).bfloat16()
     vector = torch.randn(201, generator=gen).bfloat16()
