@@ -103,10 +103,11 @@ def classifier_sums_by_kernel(c: torch.Tensor,
 
 def _sums_by_torch(c: torch.Tensor, vector: Optional[torch.Tensor]) -> ClassifierSums:
     """The same sums on the CPU, in float32, a block of rows at a time so that no float32 copy
-    of ``c`` is made."""
-    row_sum = c.sum(0, dtype=torch.float32)
-    if vector is None:
-        return ClassifierSums(None, row_sum)
-    vector = vector.float()
-    return ClassifierSums(torch.cat([rows.float() @ vector for rows in c.split(_TORCH_ROWS)]),
-                          row_sum)
+    of ``c`` is made. Outside autocast, which would round the products to 16 bits."""
+    with torch.autocast(c.device.type, enabled=False):
+        row_sum = c.sum(0, dtype=torch.float32)
+        if vector is None:
+            return ClassifierSums(None, row_sum)
+        vector = vector.float()
+        return ClassifierSums(
+            torch.cat([rows.float() @ vector for rows in c.split(_TORCH_ROWS)]), row_sum)
