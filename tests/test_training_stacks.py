@@ -100,7 +100,9 @@ def test_fake_tensors_give_shapes_and_dtypes(dtype: torch.dtype, device: str) ->
     assert shapes == _expected_shapes_and_dtypes(dtype)
 
 
-TOLERANCES = {"rtol": 1e-4, "atol": 1e-6}
+# atol: an entry of dC sums hundreds of tokens' terms, which can nearly cancel, so another
+# (sync-free) pass plan moves it by a few 1e-6 in float32 (2.5e-6 seen once on an H100).
+TOLERANCES = {"rtol": 1e-4, "atol": 1e-5}
 OPCHECK_VOCAB = 500
 
 
