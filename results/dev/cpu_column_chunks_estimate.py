@@ -1,5 +1,5 @@
 """How many column chunks a backward with one recompute per tile would take (study, CPU, no
-timing): the proposal of docs/notes/backward.md, "Next: one recompute per tile in column chunks".
+timing): the proposal of docs/notes/backward.md, "Column chunks with one recompute per tile".
 
 Pass 2's planner (:func:`cce.backward._classifier_chunks`) places each chunk's tiles in the rows
 of dC of later positions. The proposal also keeps a float32 dE accumulator (N x D) in the rows of
