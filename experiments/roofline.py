@@ -6,7 +6,8 @@ CUDA events recorded around each of cce's launchers, so the steps add up to the 
 time in the call also counts the GPU waiting for the host to queue its kernels; each step is
 therefore timed a second time with the GPU held busy (``torch.cuda._sleep``) until the host has
 queued all of the step's kernels, which then run back to back: its kernel time, from which the
-throughputs below are computed. Work:
+throughputs below are computed. cuBLAS and the copy are timed the same way: after idling, the
+GPU runs the next kernels several percent slower. Work:
 
 - matrix steps (the forward's log-sum-exp, the backward's recomputes and products) in FLOPs:
   ``2 * 128 * 128 * D`` per live-grid tile they touch. Their "cuBLAS" column is the time
@@ -118,12 +119,17 @@ def traced_steps(timer: StepTimer) -> Iterator[None]:
             setattr(module, attribute, original)
 
 
-def median_ms(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+def median_ms(fn: Callable[[], Any], warmup: int, repeats: int,
+              queue_ahead: bool = False) -> float:
+    """Median of ``repeats`` calls; ``queue_ahead``: each with the GPU spinning until it is
+    queued, as the steps' kernel times are (a GPU that has idled runs the next kernels slower)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queue_ahead:
+            torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
         start.record()
         fn()
         end.record()
@@ -136,21 +142,24 @@ def copy_bandwidth_gbs(warmup: int, repeats: int) -> float:
     """Bytes read plus bytes written per second by a 2 GiB device-to-device copy."""
     source = torch.randn(2**29, device="cuda")
     target = torch.empty_like(source)
-    ms = median_ms(lambda: target.copy_(source), warmup, repeats)
+    ms = median_ms(lambda: target.copy_(source), warmup, repeats, queue_ahead=True)
     return 2 * source.numel() * source.element_size() / ms / 1e6
 
 
 def cublas_tflops(n: int, v: int, d: int, warmup: int, repeats: int) -> dict[str, float]:
-    """cuBLAS's rate on the three dense products of the shape, bf16 operands."""
+    """cuBLAS's rate on the three dense products of the shape, bf16 operands, timed as the
+    steps' kernels are."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     e = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=generator)
     c = torch.randn(v, d, device="cuda", dtype=torch.bfloat16, generator=generator)
     g = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=generator)
     flops = 2 * n * v * d
     rates = {
-        "logits": flops / median_ms(lambda: e @ c.T, warmup, repeats) / 1e9,
-        "dE": flops / median_ms(lambda: g @ c, warmup, repeats) / 1e9,
-        "dC": flops / median_ms(lambda: g.T @ e, warmup, repeats) / 1e9,
+        # Whole calls (forward, forward + backward) start from an idle GPU, like this one.
+        "logits, idle start": flops / median_ms(lambda: e @ c.T, warmup, repeats) / 1e9,
+        "logits": flops / median_ms(lambda: e @ c.T, warmup, repeats, True) / 1e9,
+        "dE": flops / median_ms(lambda: g @ c, warmup, repeats, True) / 1e9,
+        "dC": flops / median_ms(lambda: g.T @ e, warmup, repeats, True) / 1e9,
     }
     del e, c, g
     torch.cuda.empty_cache()
@@ -161,7 +170,7 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
                   repeats: int, bandwidth_gbs: float) -> tuple[list[dict[str, Any]],
                                                             dict[str, Any]]:
     rates = cublas_tflops(n, v, d, warmup, repeats)
-    gemm_ms = 2 * n * v * d / rates["logits"] / 1e9
+    gemm_ms = 2 * n * v * d / rates["logits, idle start"] / 1e9
     e, c, targets = lm_like_inputs(n, v, d, seed=1, device="cuda")
 
     def forward_backward() -> None:
