@@ -51,7 +51,7 @@ from cce.gradient_tiles import gradient_tiles, listed_gradient_tiles
 from cce.host_copy import start_host_copy
 from cce.live_lists import TileLists
 from cce.scratch import Scratch, rows_can_hold_segments
-from cce.sparse_tile_matmul import (MassCorrection, RankOneUpdate,
+from cce.sparse_tile_matmul import (MassCorrection, RankOneUpdate, embeddings_block_out,
                                     embeddings_product_programs, gradient_times_classifier,
                                     gradient_times_embeddings, product_programs_per_block)
 from cce.weighting import RankOneTerm
@@ -116,8 +116,10 @@ def linear_cross_entropy_backward(
         scratch = _embeddings_pass_scratch(grad_c, e, c, num_vocab_blocks, grid.block_tokens,
                                            grid.block_vocab)
         row_segments = grid.block_tokens * num_vocab_blocks  # one token block, every vocab block
-        chunk = _embeddings_chunk(scratch, num_token_blocks, row_segments, dim, e.dtype,
-                                  e.device)
+        block_out = embeddings_block_out(num_tokens, c.shape[0], dim, e.dtype, slot_map=False,
+                                         rank_one=rank_one is not None)
+        chunk = _embeddings_chunk(scratch, num_token_blocks, row_segments, dim, block_out,
+                                  e.dtype, e.device)
         room = _room_after(scratch, chunk * row_segments)
         if mass_correction and correction is None:
             correction = MassCorrection.of(c, prob_scale, shard_mass, classifier_row_sum)
@@ -379,19 +381,21 @@ def _embeddings_pass_scratch(grad_c: Optional[torch.Tensor], e: torch.Tensor,
 
 
 def _embeddings_chunk(scratch: Scratch, num_token_blocks: int, row_segments: int, dim: int,
-                      dtype: torch.dtype, device: torch.device) -> int:
+                      block_out: int, dtype: torch.dtype, device: torch.device) -> int:
     """Token blocks per chunk of pass 1: as many as the scratch holds, trimmed to whole waves of
-    the product; or one less, when the room that frees in the scratch lets a split product fill
-    the SMs better (small D: dC then holds few token blocks, and their product few programs)."""
+    the product (``block_out`` columns per program); or one less, when the room that frees in
+    the scratch lets a split product fill the SMs better (small D: dC then holds few token
+    blocks, and their product few programs)."""
     most = whole_waves(min(num_token_blocks, scratch.segments // row_segments),
-                       product_programs_per_block(dim, dtype), device)
+                       triton.cdiv(dim, block_out), device)
     if most == 1:
         return most
 
     def utilization(blocks: int) -> float:
         room_bytes = (scratch.segments - blocks * row_segments) * scratch.segment_bytes
         return sm_utilization(
-            embeddings_product_programs(blocks, dim, dtype, device, room_bytes), device)
+            embeddings_product_programs(blocks, dim, block_out, dtype, device, room_bytes),
+            device)
 
     return most - 1 if utilization(most - 1) > utilization(most) else most
 

@@ -272,25 +272,49 @@ def _block_out(dim: int, dtype: torch.dtype) -> int:
     return min(kernel_configs(dtype).sparse_tile_matmul.block_out, triton.next_power_of_2(dim))
 
 
+def embeddings_block_out(num_tokens: int, vocab_size: int, dim: int, dtype: torch.dtype, *,
+                         slot_map: bool, rank_one: bool) -> int:
+    """Output columns per program of the dE product: :func:`_block_out`'s, or half of it where
+    only the half divides D and the product then runs on its whole-block loop. D = 640: five
+    blocks of 128 instead of two of 256 and a half-empty one, 14% faster at the Gemma 3 shape;
+    not through a slot map or with a rank-one term, where it was slower
+    (docs/notes/backward.md)."""
+    width = _block_out(dim, dtype)
+    if (dim % width and dim % (width // 2) == 0 and not slot_map and not rank_one
+            and _whole_rows(num_tokens, vocab_size, dtype)):
+        return width // 2
+    return width
+
+
+def _whole_rows(num_tokens: int, vocab_size: int, dtype: torch.dtype) -> bool:
+    """Whether every token and vocabulary block is whole and the configuration has a
+    whole-block loop for the dE product."""
+    configs = kernel_configs(dtype)
+    grid = configs.live_grid
+    return (configs.whole_block_embeddings_product.step_depth > 0
+            and num_tokens % grid.block_tokens == 0 and vocab_size % grid.block_vocab == 0)
+
+
 def product_programs_per_block(dim: int, dtype: torch.dtype) -> int:
     """Programs per output block of rows: one per BLOCK_OUT columns."""
     return triton.cdiv(dim, _block_out(dim, dtype))
 
 
-def _embeddings_splits(token_blocks: int, dim: int, dtype: torch.dtype, device: torch.device,
-                       room_bytes: int) -> int:
+def _embeddings_splits(token_blocks: int, dim: int, block_out: int, dtype: torch.dtype,
+                       device: torch.device, room_bytes: int) -> int:
     """Programs per output block of the dE product of ``token_blocks`` (split-K), with float32
     partial sums of every row of the chunk for each split."""
-    programs = token_blocks * product_programs_per_block(dim, dtype)
+    programs = token_blocks * triton.cdiv(dim, block_out)
     rows = token_blocks * kernel_configs(dtype).live_grid.block_tokens
     return split_count(programs, rows * dim * 4, device, room_bytes)
 
 
-def embeddings_product_programs(token_blocks: int, dim: int, dtype: torch.dtype,
+def embeddings_product_programs(token_blocks: int, dim: int, block_out: int, dtype: torch.dtype,
                                 device: torch.device, room_bytes: int = 0) -> int:
-    """Programs of the dE product of a chunk of ``token_blocks``, splits included."""
-    return (token_blocks * product_programs_per_block(dim, dtype)
-            * _embeddings_splits(token_blocks, dim, dtype, device, room_bytes))
+    """Programs of the dE product of a chunk of ``token_blocks`` with ``block_out`` output
+    columns per program (:func:`embeddings_block_out`), splits included."""
+    return (token_blocks * triton.cdiv(dim, block_out)
+            * _embeddings_splits(token_blocks, dim, block_out, dtype, device, room_bytes))
 
 
 def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
@@ -307,19 +331,20 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
     num_out_blocks = lists.shape[0]
     num_tokens = out.shape[0] if not transposed else operand.shape[0]
     vocab_size = out.shape[0] if transposed else operand.shape[0]
-    block_out = _block_out(dim, operand.dtype)
+    block_out = (_block_out(dim, operand.dtype) if transposed else embeddings_block_out(
+        num_tokens, vocab_size, dim, operand.dtype, slot_map=slot_map is not None,
+        rank_one=rank_one is not None))
     # Whole token, vocabulary and output blocks: measured faster at those shapes only.
     whole_blocks = (not transposed and slot_map is None
-                    and configs.whole_block_embeddings_product.step_depth > 0
-                    and num_tokens % grid.block_tokens == 0 and vocab_size % grid.block_vocab == 0
+                    and _whole_rows(num_tokens, vocab_size, operand.dtype)
                     and dim % block_out == 0)
     if whole_blocks:
         config = configs.whole_block_embeddings_product
-    programs = num_out_blocks * product_programs_per_block(dim, operand.dtype)
+    programs = num_out_blocks * triton.cdiv(dim, block_out)
     rows = num_out_blocks * grid.block_tokens
     room_bytes = room.numel() * 4 if room is not None else 0
-    splits = 1 if transposed else _embeddings_splits(num_out_blocks, dim, operand.dtype,
-                                                     out.device, room_bytes)
+    splits = 1 if transposed else _embeddings_splits(num_out_blocks, dim, block_out,
+                                                     operand.dtype, out.device, room_bytes)
     partial = None
     if splits > 1:
         if splits * rows * dim * 4 <= room_bytes:

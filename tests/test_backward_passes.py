@@ -108,14 +108,17 @@ def test_split_embeddings_product_matches_reference(dtype: torch.dtype, device: 
     assert sums and set(sums) == {3}
 
 
+@pytest.mark.parametrize("dim_in_widths", [4, 2.5], ids=["whole", "half-width"])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1], ids=["plain", "smoothed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_whole_blocks_match_reference(dtype: torch.dtype, label_smoothing: float, device: str,
-                                      gen: torch.Generator, two_passes: None,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_whole_blocks_match_reference(dtype: torch.dtype, label_smoothing: float,
+                                      dim_in_widths: float, device: str, gen: torch.Generator,
+                                      two_passes: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """When every token, vocabulary and output block is whole, pass 1's dE product runs without
     masks and, where its configuration says so (16-bit on a GPU, and in the interpreter), takes
-    each tile in shallower steps: the gradients still match the reference."""
+    each tile in shallower steps: the gradients still match the reference. A D that only half
+    the configured output width divides (2.5 widths: Gemma 3's 640 on a GPU) gets outputs of
+    that half, all whole, except with label smoothing's rank-one term (measured slower)."""
     configs = kernel_configs(dtype)
     launches = []
     kernel = cce.sparse_tile_matmul.sparse_tile_matmul_kernel
@@ -128,15 +131,18 @@ def test_whole_blocks_match_reference(dtype: torch.dtype, label_smoothing: float
             return launch
 
     monkeypatch.setattr(cce.sparse_tile_matmul, "sparse_tile_matmul_kernel", Recorded())
-    grid = configs.live_grid
-    # D = 2 vocabulary blocks is a multiple of the products' output columns too.
+    grid, width = configs.live_grid, configs.sparse_tile_matmul.block_out
     inputs = make_inputs(gen, device, dtype, shape=(8 * grid.block_tokens,),
-                         vocab=9 * grid.block_vocab, dim=2 * grid.block_vocab)
+                         vocab=9 * grid.block_vocab, dim=int(dim_in_widths * width))
     check("cce", inputs, gen, "mean", label_smoothing=label_smoothing)
     embeddings = [kw for kw in launches if not kw["TRANSPOSED"]]
     depth = configs.whole_block_embeddings_product.step_depth
-    assert embeddings and all(kw["WHOLE_BLOCKS"] == (depth > 0) for kw in embeddings)
-    assert all(kw["STEPS"] == (grid.block_vocab // depth if depth else 1) for kw in embeddings)
+    whole_widths = dim_in_widths == int(dim_in_widths)
+    halved = not whole_widths and not label_smoothing and depth > 0
+    whole = depth > 0 and (whole_widths or halved)
+    assert embeddings and all(kw["WHOLE_BLOCKS"] == whole for kw in embeddings)
+    assert all(kw["BLOCK_OUT"] == (width // 2 if halved else width) for kw in embeddings)
+    assert all(kw["STEPS"] == (grid.block_vocab // depth if whole else 1) for kw in embeddings)
     assert not any(kw["WHOLE_BLOCKS"] for kw in launches if kw["TRANSPOSED"])
 
 
