@@ -14,6 +14,9 @@ With 128 columns D = 640 is five whole blocks. Variants, alternating over ROUNDS
 Per variant: forward + backward medians (CUDA events, as ``experiments.bench``), one profiled
 call's kernel times, and dE and dC against the first variant's.
 
+It ran on the tree of 075c4c4, before ``sparse_tile_matmul.embeddings_block_out``, which narrows
+only the whole-block dE products without a rank-one term.
+
 Run from the repository root: ``python results/dev/h100_ab_de_product_width.py OUT_DIR``.
 """
 
