@@ -5,6 +5,7 @@ tokenizer and a tiny random model. Only the last test needs the real model's pac
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -423,9 +424,11 @@ def test_check_tokenizer_rejects_what_older_transformers_read_from_the_gguf() ->
         check_tokenizer(_GemmaLikeTokenizer(cuts_words=False, adds_bos=False))
 
 
+@functools.cache
 def _real_tokenizer():
     """The GGUF file's tokenizer, wherever experiments.real_model finds the file (the package or
-    $CCE_GEMMA3_GGUF, as on the GPU machine); skips where it finds none."""
+    $CCE_GEMMA3_GGUF, as on the GPU machine); skips where it finds none. Read once per process:
+    each reading parses the file's 262k token strings (about 15 s on one CPU core)."""
     path = real_model_path()
     from transformers import AutoTokenizer
 
