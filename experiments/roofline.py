@@ -285,7 +285,8 @@ def run(quick: bool, out_dir: Path, repeats: Optional[int] = None,
             "copy bandwidth GB/s (read + write)": bandwidth,
             "timing": (f"CUDA events, median of {repeats} after {warmup} warm-up calls; ms: the "
                        "step within the call, host waits included; kernel ms: the same step "
-                       "with its kernels queued ahead of the GPU, which the throughputs use")}
+                       "with its kernels queued ahead of the GPU, which the throughputs use; "
+                       "cuBLAS and the copy are timed queued ahead too")}
     written = write_results("roofline", rows, meta, out_dir, group_by="shape")
     lines = ["## Forward and forward+backward in GEMM units", "",
              "| shape | GEMM ms | forward | fwd+bwd | f | ideal 1+4f | ideal 1+3f |",
