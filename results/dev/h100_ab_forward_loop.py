@@ -6,11 +6,15 @@ loads: +10-20%. Since then the tiles come by TMA (``lse_forward.classifier_by_po
 case Triton's persistent matmul tutorial flattens to issue the next tile's copies during this
 tile's epilogue. Variants (environment switches read by a temporary patch of
 ``cce/lse_forward.py``, ``h100_ab_forward_loop.patch``), alternating over ROUNDS rounds:
-``base``, ``flatten``, ``warp_specialize``, ``flatten + warp_specialize``. Per variant: the
-forward with gradients enabled (CUDA events, median), one profiled forward's LSE kernel time,
-and the LSE against the base's.
+``base``, ``flatten``, ``warp_specialize``, ``flatten + warp_specialize``, and flattened with 4
+stages or with 128-deep D slices in 2 stages. Per variant: the forward with gradients enabled
+(CUDA events, median), one profiled forward's LSE kernel time, and the LSE against the base's.
 
-Run from the repository root: ``python results/dev/h100_ab_forward_loop.py OUT_DIR``.
+Run from the repository root, with the patch applied:
+``python results/dev/h100_ab_forward_loop.py OUT_DIR``. ``AB_ROUNDS``, ``AB_VARIANTS`` (names
+separated by ``;``), ``AB_SHAPES`` (by ``,``) and ``AB_OUT`` (the file's name) narrow a run:
+``h100_ab_forward_loop.json`` is every variant in 3 rounds, ``_rounds.json`` base and flatten in
+8, ``_stages.json`` base, flatten and the two stage settings in 6.
 """
 
 from __future__ import annotations
@@ -35,9 +39,13 @@ WARMUP, REPEATS = 5, 20
 ROUNDS = int(os.environ.get("AB_ROUNDS", "3"))
 VARIANTS = {"base": {}, "flatten": {"CCE_AB_FLATTEN": "1"},
             "warp_specialize": {"CCE_AB_WS": "1"},
-            "flatten + warp_specialize": {"CCE_AB_FLATTEN": "1", "CCE_AB_WS": "1"}}
+            "flatten + warp_specialize": {"CCE_AB_FLATTEN": "1", "CCE_AB_WS": "1"},
+            "flatten, 4 stages": {"CCE_AB_FLATTEN": "1", "CCE_AB_STAGES": "4"},
+            "flatten, 128-deep slices, 2 stages": {"CCE_AB_FLATTEN": "1",
+                                                   "CCE_AB_BLOCK_DIM": "128",
+                                                   "CCE_AB_STAGES": "2"}}
 if os.environ.get("AB_VARIANTS"):
-    VARIANTS = {name: VARIANTS[name] for name in os.environ["AB_VARIANTS"].split(",")}
+    VARIANTS = {name: VARIANTS[name] for name in os.environ["AB_VARIANTS"].split(";")}
 if os.environ.get("AB_SHAPES"):
     SHAPES = {name: SHAPES[name] for name in os.environ["AB_SHAPES"].split(",")}
 
@@ -65,7 +73,7 @@ def main(out_dir: Path) -> None:
         reference = None
         for round_index in range(ROUNDS):
             for label, switches in VARIANTS.items():
-                for key in ("CCE_AB_FLATTEN", "CCE_AB_WS"):
+                for key in ("CCE_AB_FLATTEN", "CCE_AB_WS", "CCE_AB_STAGES", "CCE_AB_BLOCK_DIM"):
                     os.environ.pop(key, None)
                 os.environ.update(switches)
                 try:
