@@ -93,8 +93,9 @@ def render(rows: "list[dict]", environment: dict) -> str:
         "",
         f"From `results/roofline.json` ({environment['device']}, {environment['date']}) and "
         "`results/bench.json` (torch.compile). Other steps as measured: the kernel time of the "
-        "order, the target logits and the table, the call's time for the rest. `needed`: the fraction of cuBLAS the GEMM-like kernels "
-        "would need on average to meet the target; `today`: what they reach.",
+        "order, the target logits and the table, the call's time for the rest. `needed`: the "
+        "fraction of cuBLAS the GEMM-like kernels would need on average to meet the target; "
+        "`today`: what they reach.",
         "",
         "| shape | torch.compile ms | target ms | today's kernels, at cuBLAS ms | other steps ms "
         "| fwd+bwd at cuBLAS ms (ratio) | one recompute at cuBLAS ms (ratio) | needed of cuBLAS "

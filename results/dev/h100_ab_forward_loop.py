@@ -23,19 +23,20 @@ import functools
 import json
 import os
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-import cce
-from experiments.harness import environment, time_fn
-from experiments.synthetic import lm_like_inputs
+sys.path.insert(0, str(Path(__file__).parent))
+
+import cce  # noqa: E402
+from ab_rounds import WARMUP, REPEATS, kernel_ms  # noqa: E402
+from experiments.harness import environment, time_fn  # noqa: E402
+from experiments.synthetic import lm_like_inputs  # noqa: E402
 
 SHAPES = {"gemma3": (8192, 262144, 640), "gemma2_2b": (8192, 256000, 2304),
           "llama3_8b": (8192, 128256, 4096), "phi3_5_mini": (8192, 32064, 3072),
           "llama3_8b_n1024": (1024, 128256, 4096)}
-WARMUP, REPEATS = 5, 20
 ROUNDS = int(os.environ.get("AB_ROUNDS", "3"))
 VARIANTS = {"base": {}, "flatten": {"CCE_AB_FLATTEN": "1"},
             "warp_specialize": {"CCE_AB_WS": "1"},
@@ -55,15 +56,8 @@ def forward(e, c, targets):
 
 
 def lse_kernel_ms(e, c, targets):
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        forward(e, c, targets)
-        torch.cuda.synchronize()
-    totals = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name[:40]] += event.time_range.elapsed_us() / 1000
-    return round(totals.get("lse_forward_kernel", float("nan")), 4)
+    return kernel_ms(functools.partial(forward, e, c, targets)).get("lse_forward_kernel",
+                                                                     float("nan"))
 
 
 def main(out_dir: Path) -> None:

@@ -13,10 +13,12 @@ Each variant swaps the live grid's tile and the recompute's warps and stages
 (``cce.gradient_tiles.kernel_configs``); the kernel source is cce's. Three alternating rounds,
 CUDA events, median of 10 calls after 3 warm-up calls.
 
-``python results/dev/h100_recompute_tile_shape.py OUT_DIR`` writes ``h100_recompute_tile_shape.json``.
+``python results/dev/h100_recompute_tile_shape.py OUT_DIR`` writes
+``h100_recompute_tile_shape.json``.
 """
 
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -27,7 +29,7 @@ import torch
 import cce.gradient_tiles as gradient_tiles_module
 from cce.config import KernelConfig, kernel_configs
 from cce.scratch import Scratch
-from experiments.harness import environment
+from experiments.harness import environment, time_fn
 
 SHAPES = {"gemma3": (262144, 640), "gemma2_2b": (256000, 2304), "llama3_8b": (128256, 4096),
           "phi3_5_mini": (32064, 3072)}
@@ -53,20 +55,6 @@ def configs_for(variant: tuple) -> object:
                                         block_vocab=block_vocab),
         live_grid=KernelConfig(block_tokens=block_tokens, block_vocab=block_vocab),
         gradient_tiles=KernelConfig(block_dim=block_dim, num_warps=warps, num_stages=stages))
-
-
-def timed(fn) -> float:
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(CALLS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def recompute_call(inputs: dict, variant: tuple):
@@ -111,9 +99,11 @@ def main(out_dir: Path) -> None:
         rows = {variant: [] for variant in VARIANTS}
         cublas = []
         for _ in range(ROUNDS):
-            cublas.append(timed(lambda: torch.mm(e[:CHUNK_TOKENS], c.T)))
+            cublas.append(time_fn(functools.partial(torch.mm, e[:CHUNK_TOKENS], c.T),
+                                  warmup=WARMUP, repeats=CALLS))
             for variant, settings in VARIANTS.items():
-                rows[variant].append(timed(recompute_call(inputs, settings)))
+                rows[variant].append(time_fn(recompute_call(inputs, settings), warmup=WARMUP,
+                                             repeats=CALLS))
         cublas_ms = statistics.median(cublas)
         results["variants"][name] = {
             "cuBLAS ms": cublas, "cuBLAS TFLOP/s": flops / cublas_ms / 1e9,
