@@ -17,6 +17,7 @@ CUDA events, median of 10 calls after 3 warm-up calls.
 ``h100_recompute_tile_shape.json``.
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -57,8 +58,18 @@ def configs_for(variant: tuple) -> object:
         gradient_tiles=KernelConfig(block_dim=block_dim, num_warps=warps, num_stages=stages))
 
 
-def recompute_call(inputs: dict, variant: tuple):
-    configs = configs_for(variant)
+@contextlib.contextmanager
+def recompute_with(configs: object):
+    """``cce.gradient_tiles`` launching with ``configs`` while entered."""
+    original = gradient_tiles_module.kernel_configs
+    gradient_tiles_module.kernel_configs = lambda dtype: configs
+    try:
+        yield
+    finally:
+        gradient_tiles_module.kernel_configs = original
+
+
+def recompute_call(inputs: dict, configs: object):
     grid = configs.live_grid
     e, c = inputs["e"], inputs["c"]
     vocab_size = c.shape[0]
@@ -70,7 +81,6 @@ def recompute_call(inputs: dict, variant: tuple):
                                 e.device)
 
     def call():
-        gradient_tiles_module.kernel_configs = lambda dtype: configs
         gradient_tiles_module.gradient_tiles(
             e, c, inputs["positions"], None, None, inputs["lse"], inputs["prob_scale"],
             inputs["target_scale"], inputs["order"], None, 0.0, flags, scratch, token_blocks,
@@ -102,8 +112,10 @@ def main(out_dir: Path) -> None:
             cublas.append(time_fn(functools.partial(torch.mm, e[:CHUNK_TOKENS], c.T),
                                   warmup=WARMUP, repeats=CALLS))
             for variant, settings in VARIANTS.items():
-                rows[variant].append(time_fn(recompute_call(inputs, settings), warmup=WARMUP,
-                                             repeats=CALLS))
+                configs = configs_for(settings)
+                with recompute_with(configs):
+                    rows[variant].append(time_fn(recompute_call(inputs, configs),
+                                                 warmup=WARMUP, repeats=CALLS))
         cublas_ms = statistics.median(cublas)
         results["variants"][name] = {
             "cuBLAS ms": cublas, "cuBLAS TFLOP/s": flops / cublas_ms / 1e9,
