@@ -2,10 +2,10 @@
 timed as ``experiments.bench`` times a call, with its kernels' times from the profiler and its
 results against the first variant's.
 
-A script names its shapes ``{name: (N, V, D)}`` (lm_like inputs, seed 1), its variants
-``{label: context manager factory}`` (each sets cce up as the variant wants while it is entered)
-and what one call does (:func:`training_step` by default), and writes
-``{"environment", "rows"}`` to one JSON file.
+A script names its shapes ``{name: (N, V, D)}`` (lm_like inputs, seed 1) and its variants
+``{label: context manager factory}`` (each sets cce up as the variant wants while it is
+entered); each call is :func:`training_step`, and ``{"environment", "rows"}`` go to one JSON
+file.
 """
 
 from __future__ import annotations
@@ -53,21 +53,20 @@ def relative(x: torch.Tensor, reference: torch.Tensor) -> float:
 
 def alternate(shapes: "dict[str, tuple[int, int, int]]",
               variants: "dict[str, Callable[[], ContextManager]]", rounds: int, out_file: Path,
-              watched_kernel: str, step: Callable[..., "tuple[torch.Tensor, ...]"] = training_step,
-              time_key: str = "fwd_bwd_ms", names: "tuple[str, ...]" = ("dE", "dC")) -> None:
+              watched_kernel: str) -> None:
     """Every shape: every variant in turn, ``rounds`` times; one row per call. A variant that
     raises (does not compile) gets its error instead of times."""
     results: "dict[str, Any]" = {"environment": environment(), "rows": []}
     for shape, (n, v, d) in shapes.items():
         e, c, targets = lm_like_inputs(n, v, d, seed=1, device="cuda")
-        call = functools.partial(step, e, c, targets)
+        call = functools.partial(training_step, e, c, targets)
         reference: Optional[tuple] = None
         for round_index in range(rounds):
             for label, variant in variants.items():
                 row: "dict[str, Any]" = {"shape": shape, "variant": label, "round": round_index}
                 try:
                     with variant():
-                        row[time_key] = time_fn(call, warmup=WARMUP, repeats=REPEATS)
+                        row["fwd_bwd_ms"] = time_fn(call, warmup=WARMUP, repeats=REPEATS)
                         row["kernels_ms"] = kernel_ms(call)
                         outputs = call()
                 except Exception as failure:  # noqa: BLE001 - recorded, the others go on
@@ -76,12 +75,12 @@ def alternate(shapes: "dict[str, tuple[int, int, int]]",
                     print(row, flush=True)
                     continue
                 reference = reference or outputs
-                for name, output, first in zip(names, outputs, reference):
+                for name, output, first in zip(("dE", "dC"), outputs, reference):
                     row[f"{name}_vs_first"] = relative(output, first)
                 row["bitwise_equal"] = all(torch.equal(output, first)
                                            for output, first in zip(outputs, reference))
                 results["rows"].append(row)
-                print(shape, label, round_index, round(row[time_key], 3),
+                print(shape, label, round_index, round(row["fwd_bwd_ms"], 3),
                       row["kernels_ms"].get(watched_kernel), row["bitwise_equal"], flush=True)
         del e, c, targets, reference, call
         torch.cuda.empty_cache()
