@@ -157,9 +157,9 @@ def cublas_tflops(n: int, v: int, d: int, warmup: int, repeats: int) -> dict[str
     rates = {
         # Whole calls (forward, forward + backward) start from an idle GPU, like this one.
         "logits, idle start": flops / median_ms(lambda: e @ c.T, warmup, repeats) / 1e9,
-        "logits": flops / median_ms(lambda: e @ c.T, warmup, repeats, True) / 1e9,
-        "dE": flops / median_ms(lambda: g @ c, warmup, repeats, True) / 1e9,
-        "dC": flops / median_ms(lambda: g.T @ e, warmup, repeats, True) / 1e9,
+        "logits": flops / median_ms(lambda: e @ c.T, warmup, repeats, queue_ahead=True) / 1e9,
+        "dE": flops / median_ms(lambda: g @ c, warmup, repeats, queue_ahead=True) / 1e9,
+        "dC": flops / median_ms(lambda: g.T @ e, warmup, repeats, queue_ahead=True) / 1e9,
     }
     del e, c, g
     torch.cuda.empty_cache()
