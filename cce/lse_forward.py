@@ -98,7 +98,9 @@ def lse_forward_kernel(
     running_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     curvature_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
-    for vocab_block in range(first_vocab_block, last_vocab_block):
+    # Flattened over descriptor tiles, Triton pipelines the next tile's loads across the loop's
+    # end (docs/notes/forward.md): the body then may hold no runtime branch.
+    for vocab_block in tl.range(first_vocab_block, last_vocab_block, flatten=BY_DESCRIPTOR):
         vocab, vocab_mask = vocab_block_entries(vocab_order_ptr, vocab_block,
                                                 tl.arange(0, BLOCK_VOCAB), vocab_size,
                                                 BLOCK_VOCAB, SORTED)
@@ -126,8 +128,11 @@ def lse_forward_kernel(
                 # sum_v w_v z_v^2, divided by softcap^2 once per row after the loop: the tanh^2
                 # of the pre-cap logits, with no tile-sized temporary of its own.
                 curvature_sum += tl.sum(weighted * logits, axis=1)
-        # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)).
-        if holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
+        # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)); every
+        # tile is masked on the descriptor path, whose flattened loop takes no branch.
+        if BY_DESCRIPTOR:
+            logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
+        elif holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
             logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
         if RECORD_TILE_BOUND and RECORDS_PER_TILE == 2:
             # The row maxima of each live-grid tile, by masking the other one's columns: the
@@ -162,9 +167,9 @@ def lse_forward_kernel(
             tl.store(tile_bound_ptr + record,
                      log_probability_bound(left_row_max, lse_lower, recorded_rows))
             if RECORDS_PER_TILE == 2:
-                if vocab_block * 2 + 1 < num_live_vocab_blocks:
-                    tl.store(tile_bound_ptr + record + 1,
-                             log_probability_bound(right_row_max, lse_lower, recorded_rows))
+                tl.store(tile_bound_ptr + record + 1,
+                         log_probability_bound(right_row_max, lse_lower, recorded_rows),
+                         mask=vocab_block * 2 + 1 < num_live_vocab_blocks)
     safe_max = exp_shift(running_max)
     program_lse = safe_max + tl.log(running_sum)
     if CURVATURE_SUM:
