@@ -184,19 +184,27 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
     total_ms = median_ms(forward_backward, warmup, repeats)
     forward_ms = median_ms(forward, warmup, repeats)
 
-    def step_medians(queue_ahead: bool) -> tuple[dict[str, float], StepTimer]:
+    def step_medians(queue_ahead: bool) -> tuple[dict[str, float], float, StepTimer]:
+        """Each step's median, the median of the traced call as a whole, and the last timer."""
         step_ms: dict[str, list[float]] = defaultdict(list)
+        call_ms = []
         for _ in range(warmup + repeats):
             timer = StepTimer(queue_ahead)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             with traced_steps(timer):
                 forward_backward()
+            end.record()
             for step, ms in timer.elapsed_ms().items():
                 step_ms[step].append(ms)
+            call_ms.append(start.elapsed_time(end))
         return ({step: statistics.median(times[warmup:]) for step, times in step_ms.items()},
-                timer)
+                statistics.median(call_ms[warmup:]), timer)
 
-    medians, timer = step_medians(queue_ahead=False)
-    kernel_medians, _ = step_medians(queue_ahead=True)
+    # Tracing costs host time of its own, so the steps are shares of the traced call, not of
+    # the untraced total_ms that the GEMM units use.
+    medians, traced_total_ms, timer = step_medians(queue_ahead=False)
+    kernel_medians, _, _ = step_medians(queue_ahead=True)
 
     grid = kernel_configs(e.dtype).live_grid
     tile_flops = 2 * grid.block_tokens * grid.block_vocab * d
@@ -233,7 +241,7 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
             continue
         kernel_ms = kernel_medians[step]
         row: dict[str, Any] = {"shape": description, "step": step, "ms": ms,
-                               "share of fwd+bwd": ms / total_ms, "kernel ms": kernel_ms}
+                               "share of fwd+bwd": ms / traced_total_ms, "kernel ms": kernel_ms}
         if work == "bytes":
             row["GB/s"] = moved_bytes[step] / kernel_ms / 1e6
             row["of copy bandwidth"] = row["GB/s"] / bandwidth_gbs
@@ -244,10 +252,10 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
             row["cuBLAS ms, same work"] = flops / rates[reference_rate[work]] / 1e9
             row["of cuBLAS"] = row["TFLOP/s"] / rates[reference_rate[work]]
         rows.append(row)
-    traced = sum(medians.values())
+    # A median of sums is not the sum of medians: a few hundredths of a ms either way.
+    rest_ms = traced_total_ms - sum(medians.values())
     rows.append({"shape": description, "step": "everything else (PyTorch ops, gaps)",
-                 "ms": max(total_ms - traced, 0.0),
-                 "share of fwd+bwd": max(total_ms - traced, 0.0) / total_ms})
+                 "ms": rest_ms, "share of fwd+bwd": rest_ms / traced_total_ms})
 
     f = live / all_tiles
     summary = {
@@ -255,6 +263,7 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
         "cuBLAS TFLOP/s (logits, dE, dC)": [rates["logits"], rates["dE"], rates["dC"]],
         "forward ms": forward_ms, "forward GEMMs": forward_ms / gemm_ms,
         "fwd+bwd ms": total_ms, "fwd+bwd GEMMs": total_ms / gemm_ms,
+        "traced fwd+bwd ms": traced_total_ms,
         "live fraction f": f, "multiplied fraction": tiles["dC"] / all_tiles,
         "ideal 1+4f": 1 + 4 * f, "ideal 1+3f": 1 + 3 * f,
     }
@@ -286,7 +295,9 @@ def run(quick: bool, out_dir: Path, repeats: Optional[int] = None,
             "timing": (f"CUDA events, median of {repeats} after {warmup} warm-up calls; ms: the "
                        "step within the call, host waits included; kernel ms: the same step "
                        "with its kernels queued ahead of the GPU, which the throughputs use; "
-                       "cuBLAS and the copy are timed queued ahead too")}
+                       "cuBLAS and the copy are timed queued ahead too; steps and shares are "
+                       "of the traced call, whose tracing adds host time; GEMM units below are "
+                       "of untraced calls")}
     written = write_results("roofline", rows, meta, out_dir, group_by="shape")
     lines = ["## Forward and forward+backward in GEMM units", "",
              "| shape | GEMM ms | forward | fwd+bwd | f | ideal 1+4f | ideal 1+3f |",
