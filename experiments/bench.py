@@ -279,13 +279,12 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
 
 def _run_dates(meta: dict[str, Any], environment: dict[str, Any]) -> list[str]:
     """When a part's runs were measured: its own date, or for a part that is itself a merge
-    (a shape measured again beside an earlier report), the dates its ``merged_runs`` names."""
+    (a shape measured again beside an earlier report), the dates of the runs it merged."""
     merged = meta.get("merged_runs")
-    if merged is None:
-        return [environment["date"]]
-    count, span = merged.split(" runs, ")
-    first, last = span.split(" to ")
-    return [first] * (int(count) - 1) + [last]
+    if isinstance(merged, str):
+        raise ValueError("--merge: a part is a merged report that names its runs as text (an "
+                         "older format); merge that report's own parts instead")
+    return list(merged) if merged else [environment["date"]]
 
 
 def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
@@ -315,7 +314,7 @@ def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
         "l2_cache_mb": l2_cache_mb,
     }
     if measured is not None:
-        meta["merged_runs"] = f"{len(measured)} runs, {min(measured)} to {max(measured)}"
+        meta["merged_runs"] = sorted(measured)
     written = write_results(NAME, rows, meta, out_dir, measured_in=measured_in)
     written = _add_sections(written, shape_info, targets_report)
     _plot(rows, shape_info, out_dir / f"{NAME}.png")

@@ -509,6 +509,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
 def _format(value: Any) -> str:
     if value is None:
         return MISSING
+    if isinstance(value, list):
+        return ", ".join(_format(item) for item in value)
     if isinstance(value, float):
         if value == 0 or not math.isfinite(value):
             return str(value)
