@@ -10,8 +10,8 @@ block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
    tiles pass 1 stored are recomputed, and each gets a slot of its own in the rows of dC that
    are still free (those of later vocabulary positions). A chunk is as wide as its tiles fit
    there: wide where sorting left few live tiles (the tail of the vocabulary), narrower as dC
-   fills up; once not even one block's tiles fit, the rest of the vocabulary goes through a small
-   spare buffer. Sizing the chunks takes one host sync (the tiles per vocabulary block); the
+   fills up; once a small spare buffer would take more blocks than the free rows, the rest of
+   the vocabulary goes through it. Sizing the chunks takes one host sync (the tiles per vocabulary block); the
    lists of every chunk's tiles are built in one launch before pass 1's last product, and
    their lengths copied to the host behind it, so the host plans pass 2 while the GPU runs
    that product (:mod:`cce.host_copy`). Where the host must not wait (CUDA
@@ -417,8 +417,10 @@ def _classifier_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
     """Pass 2's chunks of vocabulary blocks, in order, and whether each is stored in the spare
     buffer. A chunk's tiles (``tiles_per_block`` of each block, ``block_tokens`` segments each)
     go to the rows of dC of later positions (``dim / block_vocab`` segments per row): each chunk
-    is the widest whose tiles fit there. Once not even one block's do, every later chunk goes to
-    the spare buffer, as many blocks as its ``spare_tiles`` hold (at least one block's).
+    is the widest whose tiles fit there. The free rows run out as dC fills up, so the chunks
+    narrow, each taking about half the blocks left; once the spare buffer would take more
+    blocks (as many as its ``spare_tiles`` hold, one at least), every later chunk goes there,
+    rather than many small chunks that run at the host's pace.
 
     Runs on the host after the list lengths arrive, while the GPU has only pass 1's last
     product left, so each chunk's end is a binary search rather than a Python loop over the
@@ -438,13 +440,12 @@ def _classifier_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
     first = 0
     in_spare = not rows_hold_segments
     while first < num_blocks:
-        end = first
+        spare_end = _spare_chunk_end(tiles_before, first, spare_tiles)
         if not in_spare:
             room = vocab_size * segments_per_row + tiles_before[first] * block_tokens
-            end = int(np.searchsorted(footprint, room, side="right")) - 1
-            in_spare = end == first
-        if in_spare:
-            end = _spare_chunk_end(tiles_before, first, spare_tiles)
+            rows_end = int(np.searchsorted(footprint, room, side="right")) - 1
+            in_spare = rows_end < spare_end
+        end = spare_end if in_spare else rows_end
         chunks.append((range(first, end), in_spare))
         first = end
     return chunks
