@@ -11,10 +11,10 @@ block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
    are still free (those of later vocabulary positions). A chunk is as wide as its tiles fit
    there: wide where sorting left few live tiles (the tail of the vocabulary), narrower as dC
    fills up; once a small spare buffer would take more blocks than the free rows, the rest of
-   the vocabulary goes through it. Sizing the chunks takes one host sync (the tiles per vocabulary block); the
-   lists of every chunk's tiles are built in one launch before pass 1's last product, and
-   their lengths copied to the host behind it, so the host plans pass 2 while the GPU runs
-   that product (:mod:`cce.host_copy`). Where the host must not wait (CUDA
+   the vocabulary goes through it. Sizing the chunks takes one host sync (the tiles per
+   vocabulary block); the lists of every chunk's tiles are built in one launch before pass 1's
+   last product, and their lengths copied to the host behind it, so the host plans pass 2
+   while the GPU runs that product (:mod:`cce.host_copy`). Where the host must not wait (CUDA
    graph capture, torch.compile, ``torch.cuda.set_sync_debug_mode``), the chunks are sized for
    every tile being stored instead: no sync, narrower chunks.
 

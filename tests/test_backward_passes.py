@@ -168,11 +168,15 @@ def test_classifier_chunks_are_the_widest_that_fit(spare_tiles: int,
     _assert_widest_chunks(chunks, 60, fits)
 
     def widest(first: int, in_spare: bool) -> int:
-        return max([1] * in_spare + [width for width in range(1, 61 - first)
-                                     if fits(range(first, first + width), in_spare)], default=0)
+        """The most blocks from ``first`` on that fit (the spare buffer takes one at least)."""
+        widths = [width for width in range(1, 61 - first)
+                  if fits(range(first, first + width), in_spare)]
+        return max(widths, default=1 if in_spare else 0)
 
     for blocks, in_spare in chunks:
         assert in_spare == (widest(blocks.start, True) > widest(blocks.start, False))
+    # The buffer took over while the free rows still held a block: the case the rule is for.
+    assert any(in_spare and widest(blocks.start, False) > 0 for blocks, in_spare in chunks)
 
 
 @pytest.mark.parametrize("vocab_sorting", [True, False], ids=["sorted", "unsorted"])
