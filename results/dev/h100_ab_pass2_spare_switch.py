@@ -29,26 +29,34 @@ SHAPES = {"gemma3": (8192, 262144, 640), "gemma2_2b": (8192, 256000, 2304),
 planned = cce.backward._classifier_chunks
 
 
-def rows_to_the_last_block(tiles_per_block, vocab_size, dim, block_tokens, block_vocab,
-                           rows_hold_segments, spare_tiles):
-    """The rule before: dC's free rows until not even one block's tiles fit there."""
-    tiles_before = cce.backward._tiles_before(tiles_per_block)
-    segments_per_row = dim // block_vocab
-    footprint = (tiles_before * block_tokens
-                 + np.arange(len(tiles_per_block) + 1, dtype=np.int64) * block_vocab
-                 * segments_per_row)
-    chunks, first, in_spare = [], 0, not rows_hold_segments
-    while first < len(tiles_per_block):
-        end = first
-        if not in_spare:
-            room = vocab_size * segments_per_row + tiles_before[first] * block_tokens
-            end = int(np.searchsorted(footprint, room, side="right")) - 1
-            in_spare = end == first
-        if in_spare:
-            end = cce.backward._spare_chunk_end(tiles_before, first, spare_tiles)
-        chunks.append((range(first, end), in_spare))
-        first = end
-    return chunks
+def plan_with(switch):
+    """Pass 2's planner with another rule for leaving dC's free rows: ``switch(first, rows_end,
+    spare_end)`` -> whether the chunk from block ``first`` goes to the spare buffer, given the
+    widest chunks that fit in the rows and in the buffer."""
+    def plan(tiles_per_block, vocab_size, dim, block_tokens, block_vocab, rows_hold_segments,
+             spare_tiles):
+        tiles_before = cce.backward._tiles_before(tiles_per_block)
+        segments_per_row = dim // block_vocab
+        footprint = (tiles_before * block_tokens
+                     + np.arange(len(tiles_per_block) + 1, dtype=np.int64) * block_vocab
+                     * segments_per_row)
+        chunks, first, in_spare = [], 0, not rows_hold_segments
+        while first < len(tiles_per_block):
+            spare_end = cce.backward._spare_chunk_end(tiles_before, first, spare_tiles)
+            if not in_spare:
+                room = vocab_size * segments_per_row + tiles_before[first] * block_tokens
+                rows_end = int(np.searchsorted(footprint, room, side="right")) - 1
+                in_spare = switch(first, rows_end, spare_end)
+            end = spare_end if in_spare else rows_end
+            chunks.append((range(first, end), in_spare))
+            first = end
+        return chunks
+    return plan
+
+
+# The rule before: dC's free rows until not even one block's tiles fit there.
+rows_to_the_last_block = plan_with(lambda first, rows_end, spare_end: rows_end == first)
+rows_to_the_last_block.__name__ = "rows_to_the_last_block"
 
 
 def counted(planner):
