@@ -8,9 +8,10 @@ the table of tiles, the rest of the call) keep their measured time. The sum is f
 with every GEMM-like kernel at 100% of cuBLAS, and the same without the second recompute (each
 live tile recomputed once, as ``keep_tiles=True`` does with more memory). The rest of the call
 (the roofline's "everything else", a remainder of the traced call) counts less the host time that
-tracing added (traced minus untraced call), which makes the bound, if anything, optimistic. Against it: the fwd+bwd
-target, ``limit x torch.compile`` with torch.compile's time from ``results/bench.json`` (same
-H100 type, bf16, N as in the shape; torch.compile's time does not depend on the inputs' values).
+tracing added (traced minus untraced call), which makes the bound, if anything, optimistic.
+Against it: the fwd+bwd target, ``limit x torch.compile`` with torch.compile's time from
+``results/bench.json`` (same H100 type, bf16, N as in the shape; torch.compile's time does not
+depend on the inputs' values).
 
 ``needed of cuBLAS`` is the fraction of cuBLAS's speed that the GEMM-like kernels would need on
 average for the target, with the other steps as measured: above 1, the target is out of this

@@ -20,10 +20,8 @@ import cce.backward  # noqa: E402
 from ab_rounds import training_step  # noqa: E402
 from experiments.harness import environment  # noqa: E402
 from experiments.synthetic import lm_like_inputs  # noqa: E402
-from h100_ab_pass2_spare_switch import SHAPES, plan_with, rows_to_the_last_block  # noqa: E402
-
-planned = cce.backward._classifier_chunks
-
+from h100_ab_pass2_spare_switch import (SHAPES, plan_with, planned,  # noqa: E402
+                                        rows_to_the_last_block)
 
 # The A/B's variant: the spare buffer once it takes at least as many blocks.
 ties_to_the_spare = plan_with(lambda first, rows_end, spare_end: rows_end <= spare_end)
