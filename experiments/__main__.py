@@ -42,7 +42,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     add_data_argument(parser)
     parser.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), metavar="NAME",
                         help="run these experiments, in this order, in one process (so that "
-                             f"they share measurements and loaded models): {', '.join(EXPERIMENTS)}")
+                             "they share measurements and loaded models): "
+                             + ", ".join(EXPERIMENTS))
     parser.add_argument("--repeats", type=int,
                         help="timed calls per median in the benchmark and tables (default: "
                              "theirs, 20 on a GPU; at least 10 there)")

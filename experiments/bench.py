@@ -253,7 +253,8 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
             if differs:
                 raise ValueError(
                     f"--merge: {path} was measured with another {', '.join(differs)} than "
-                    f"{Path(parts[0]) / f'{NAME}.json'} ({', '.join(str(env.get(k)) for k in differs)}"
+                    f"{Path(parts[0]) / f'{NAME}.json'} "
+                    f"({', '.join(str(env.get(k)) for k in differs)}"
                     f" against {', '.join(str(first.get(k)) for k in differs)})")
         repeated = sorted(set(results["shapes"]) & set(shape_info))
         if repeated:

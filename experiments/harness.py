@@ -478,8 +478,8 @@ def _markdown_report(name: str, rows: list[dict[str, Any]], meta: dict[str, Any]
         versions.append(f"transformers {env['transformers']}")
     if env["cuda"]:
         versions.insert(1, f"CUDA {env['cuda']}")
-    lines = [f"# {name}", "", f"Device: {env['device']} · {' · '.join(versions)} · {env['date']}",
-             ""]
+    lines = [f"# {name}", "",
+             f"Device: {env['device']} · {' · '.join(versions)} · {env['date']}", ""]
     if device_dependent and env["device"] == "cpu":
         lines += ["> **CPU RUN: THESE ARE NOT GPU TIMINGS.** This machine has no CUDA device; "
                   "the Triton kernels ran in the interpreter"

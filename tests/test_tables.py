@@ -165,7 +165,8 @@ def test_the_lower_bound_is_the_size_of_the_output_buffers(quick_run: Run, table
 
 
 @pytest.mark.parametrize("table", TABLES)
-def test_the_papers_numbers_sit_beside_ours_for_the_models_it_has(quick_run: Run, table: str) -> None:
+def test_the_papers_numbers_sit_beside_ours_for_the_models_it_has(quick_run: Run,
+                                                                  table: str) -> None:
     from experiments.paper_numbers import PAPER_TABLES
     from experiments.tables import COLUMNS, ROWS
 
@@ -220,7 +221,8 @@ def test_a_pair_measured_once_in_a_process_is_not_measured_again(quick_run: Run)
     # table1's two blocks share the tiny shape, and the benchmark's torch row is reused.
     assert quick_run.measurements["table1"] == len(measurable) - 1
     assert quick_run.measurements["table_a2"] == 0  # five blocks, all on the shape table1 measured
-    assert quick_run.measurements["table_a1"] == len(measurable)  # a new shape: ignored rows removed
+    # A new shape: ignored rows removed.
+    assert quick_run.measurements["table_a1"] == len(measurable)
 
 
 @pytest.fixture
