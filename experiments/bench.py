@@ -58,7 +58,8 @@ from experiments.alpaca_data import add_data_argument
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
                                  WrittenResults, add_run_arguments, add_sections, device_label,
-                                 finish, float64_reference, log, measure_loss, progress,
+                                 environment, finish, float64_reference, log, measure_loss,
+                                 progress,
                                  run_experiment, run_mode, time_fn, write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
@@ -318,7 +319,7 @@ def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
         meta["merged_runs"] = sorted(measured)
     written = write_results(NAME, rows, meta, out_dir, measured_in=measured_in)
     written = _add_sections(written, shape_info, targets_report)
-    _plot(rows, shape_info, out_dir / f"{NAME}.png")
+    _plot(rows, shape_info, device_label(measured_in or environment()), out_dir / f"{NAME}.png")
     return written
 
 
@@ -688,9 +689,10 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _plot(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
+def _plot(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]], device: str,
           path: Path) -> None:
-    """Grouped bars: forward+backward time of every method per shape, one GEMM as a marker."""
+    """Grouped bars: forward+backward time of every method per shape, one GEMM as a marker;
+    ``device`` names where the times come from."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a benchmark machine
@@ -718,7 +720,7 @@ def _plot(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
                     fontsize=8)
     axes.set_yscale("log")
     axes.set_ylabel("forward + backward, ms (log scale)")
-    axes.set_title(f"Linear cross-entropy, bfloat16 ({device_label()})")
+    axes.set_title(f"Linear cross-entropy, bfloat16 ({device})")
     axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     figure.savefig(path, dpi=120)

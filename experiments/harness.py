@@ -58,12 +58,13 @@ def device_name() -> str:
     return torch.cuda.get_device_name(DEVICE) if ON_GPU else "CPU"
 
 
-def device_label() -> str:
-    """The device that timings come from, for figure titles: the GPU's name, or a warning that
-    CPU timings (of Triton's interpreter, as a rule) say nothing about a GPU."""
-    if ON_GPU:
-        return device_name()
-    interpreter = " (Triton interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else ""
+def device_label(env: dict[str, Any]) -> str:
+    """The device that timings come from, for figure titles, from the :func:`environment` of
+    the process that measured them (a merged report is drawn elsewhere): the GPU's name, or a
+    warning that CPU timings (of Triton's interpreter, as a rule) say nothing about a GPU."""
+    if env["device"] != "cpu":
+        return env["device"]
+    interpreter = " (Triton interpreter)" if env.get("triton_interpret") else ""
     return f"CPU{interpreter}: not GPU timings"
 
 

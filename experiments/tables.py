@@ -29,7 +29,8 @@ from experiments.bench import (DTYPE, MIB, Shape, add_repeats_argument, describe
                                measure_shape, timing)
 from experiments.alpaca_data import add_data_argument
 from experiments.harness import (ON_GPU, WrittenResults, add_run_arguments, add_sections,
-                                 device_label, finish, log, markdown_table, progress,
+                                 device_label, environment, finish, log, markdown_table,
+                                 progress,
                                  run_experiment, run_mode, write_results)
 from experiments.paper_numbers import PAPER_SETUP, PAPER_TABLES, PaperRow
 
@@ -246,7 +247,7 @@ def table_figure(rows: list[dict[str, Any]], block_info: dict[str, dict[str, Any
         notes.append(f"the paper's {PAPER_SETUP.split(',')[0]} numbers are left out")
     if not ON_GPU:
         notes.append("memory: GPU only")
-    title = f"{name}: linear cross-entropy, bfloat16 ({device_label()})"
+    title = f"{name}: linear cross-entropy, bfloat16 ({device_label(environment())})"
     figure.suptitle("\n".join([title, *notes]), fontsize=10)
     figure.tight_layout()
     return figure

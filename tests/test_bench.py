@@ -21,13 +21,13 @@ def test_quick_mode_writes_a_finite_row_for_every_method(tmp_path: Path) -> None
     pytest.importorskip("matplotlib")  # for bench.png
     from experiments import bench
     from experiments.compare_impls import variants
-    from experiments.harness import device_label
+    from experiments.harness import device_label, environment
     from tests.helpers import saved_figure_titles
 
     with saved_figure_titles() as titles:
         written = bench.run(quick=True, out_dir=tmp_path)
 
-    assert len(titles) == 1 and f"({device_label()})" in titles[0]
+    assert len(titles) == 1 and f"({device_label(environment())})" in titles[0]
 
     assert written.errors == []
     for suffix in ("json", "md", "png"):
@@ -376,6 +376,7 @@ def test_merge_writes_one_report_from_runs_of_a_few_shapes(
         capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")  # for bench.png
     from experiments import bench
+    from tests.helpers import saved_figure_titles
 
     monkeypatch.setattr(bench, "measure_loss",
                         lambda *args, **kwargs: {"fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_bwd_ms": 3.0})
@@ -426,11 +427,13 @@ def test_merge_writes_one_report_from_runs_of_a_few_shapes(
         measured = json.loads((part / "bench.json").read_text())
         measured["environment"]["device"] = "a GPU"
         (part / "bench.json").write_text(json.dumps(measured))
-    bench.merge(parts, tmp_path / "elsewhere")
+    with saved_figure_titles() as titles:
+        bench.merge(parts, tmp_path / "elsewhere")
     assert json.loads((tmp_path / "elsewhere" / "bench.json").read_text())[
         "environment"]["device"] == "a GPU"
     report = (tmp_path / "elsewhere" / "bench.md").read_text()
     assert "Device: a GPU" in report and "CPU RUN" not in report
+    assert len(titles) == 1 and "(a GPU)" in titles[0] and "not GPU timings" not in titles[0]
     other = json.loads((parts[1] / "bench.json").read_text())
     other["environment"]["device"] = "another GPU"
     (parts[1] / "bench.json").write_text(json.dumps(other))

@@ -209,10 +209,12 @@ def test_the_data_path_reaches_the_experiments_that_read_data(
     assert calls == [("reads_data", data), ("reads_no_data", None)]
 
 
-def test_timing_figures_name_the_device() -> None:
-    from experiments.harness import ON_GPU, device_label
+def test_timing_figures_name_the_device_that_measured() -> None:
+    from experiments.harness import ON_GPU, device_label, environment
 
     if ON_GPU:
-        assert device_label() == torch.cuda.get_device_name()
+        assert device_label(environment()) == torch.cuda.get_device_name()
     else:
-        assert device_label() == "CPU (Triton interpreter): not GPU timings"
+        assert device_label(environment()) == "CPU (Triton interpreter): not GPU timings"
+    # A report merged or redrawn on another machine names the device of its measurements.
+    assert device_label({**environment(), "device": "a GPU"}) == "a GPU"

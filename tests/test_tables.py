@@ -112,14 +112,14 @@ def test_quick_figures_label_the_shape_run_and_leave_the_papers_numbers_out(
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from experiments.harness import ON_GPU, device_label
+    from experiments.harness import ON_GPU, device_label, environment
     from experiments.tables import table_figure
 
     results = quick_run.results[table]
     figure = table_figure(results["rows"], results["blocks"], quick=True, name=table)
 
     title = figure.get_suptitle()
-    assert device_label() in title and "numbers are left out" in title
+    assert device_label(environment()) in title and "numbers are left out" in title
     assert len(figure.axes) == (2 if ON_GPU else 1)
     time_axis = figure.axes[0]
     labels = [label.get_text() for label in time_axis.get_xticklabels()]
