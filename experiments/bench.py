@@ -59,8 +59,7 @@ from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
                                  WrittenResults, add_run_arguments, add_sections, device_label,
                                  environment, finish, float64_reference, log, measure_loss,
-                                 progress,
-                                 run_experiment, run_mode, time_fn, write_results)
+                                 progress, run_experiment, run_mode, time_fn, write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
 NAME = "bench"

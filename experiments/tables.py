@@ -30,8 +30,7 @@ from experiments.bench import (DTYPE, MIB, Shape, add_repeats_argument, describe
 from experiments.alpaca_data import add_data_argument
 from experiments.harness import (ON_GPU, WrittenResults, add_run_arguments, add_sections,
                                  device_label, environment, finish, log, markdown_table,
-                                 progress,
-                                 run_experiment, run_mode, write_results)
+                                 progress, run_experiment, run_mode, write_results)
 from experiments.paper_numbers import PAPER_SETUP, PAPER_TABLES, PaperRow
 
 LOSS_BYTES = 4  # the loss's output buffer: one float32 (reduction="mean")
