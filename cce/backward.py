@@ -5,7 +5,10 @@ of the logits) are recomputed once and stored (:mod:`cce.gradient_tiles`), then 
 block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
 
 1. dE, chunks of token blocks x the whole vocabulary: ``dE[chunk] = G[chunk] C``. The chunk is
-   stored in dC's memory, which is not written yet, so a chunk holds about D tokens.
+   stored in dC's memory, which is not written yet, so a chunk of whole rows of the grid holds
+   about D tokens. Where that is few (small D), only the live tiles are stored, each in a slot,
+   and a chunk holds about 1 / (live fraction) times more tokens (one more host sync: the live
+   tiles per token block).
 2. dC, chunks of vocabulary blocks x all tokens: ``dC[chunk] = G[:, chunk]^T E``. Only the
    tiles pass 1 stored are recomputed, and each gets a slot of its own in the rows of dC that
    are still free (those of later vocabulary positions). A chunk is as wide as its tiles fit
@@ -45,8 +48,8 @@ import numpy as np
 import torch
 import triton
 
-from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, sm_utilization,
-                        spare_scratch_bytes, whole_waves)
+from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, slot_chunk_tokens,
+                        sm_utilization, spare_scratch_bytes, whole_waves)
 from cce.gradient_tiles import gradient_tiles, listed_gradient_tiles
 from cce.host_copy import start_host_copy
 from cce.live_lists import TileLists
@@ -118,25 +121,47 @@ def linear_cross_entropy_backward(
         row_segments = grid.block_tokens * num_vocab_blocks  # one token block, every vocab block
         block_out = embeddings_block_out(num_tokens, c.shape[0], dim, e.dtype, slot_map=False,
                                          rank_one=rank_one is not None)
-        chunk = _embeddings_chunk(scratch, num_token_blocks, row_segments, dim, block_out,
-                                  e.dtype, e.device)
-        room = _room_after(scratch, chunk * row_segments)
+        whole_rows_chunk = _embeddings_chunk(scratch, num_token_blocks, row_segments, dim,
+                                             block_out, e.dtype, e.device)
+        slots = None
+        if _live_tiles_in_slots(live_tiles, whole_rows_chunk, num_token_blocks,
+                                grid.block_tokens):
+            live_rows = TileLists.of(live_tiles)
+            read_tiles_per_row = start_host_copy(live_rows.counts)
+            # Queued behind that copy: the GPU runs them while the host plans.
+            if mass_correction and correction is None:
+                correction = MassCorrection.of(c, prob_scale, shard_mass, classifier_row_sum)
+            slots = _slot_map(live_rows)
+            tiles_per_row = read_tiles_per_row()
+            chunks = _slot_chunks(tiles_per_row, scratch.segments // grid.block_tokens)
+        else:
+            chunks = [range(first, min(first + whole_rows_chunk, num_token_blocks))
+                      for first in range(0, num_token_blocks, whole_rows_chunk)]
         if mass_correction and correction is None:
             correction = MassCorrection.of(c, prob_scale, shard_mass, classifier_row_sum)
         update = RankOneUpdate.for_embeddings(rank_one, c) if rank_one is not None else None
-        for first in range(0, num_token_blocks, chunk):
-            token_blocks = range(first, min(first + chunk, num_token_blocks))
+        room = None
+        for token_blocks in chunks:
+            if slots is None:
+                first_slot = None
+                used_segments = len(token_blocks) * row_segments
+            else:
+                first_slot = live_rows.first_slots[token_blocks.start:]
+                used_segments = int(tiles_per_row[token_blocks.start:token_blocks.stop].sum()
+                                    ) * grid.block_tokens
+            room = _room_after(scratch, used_segments)
             gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
                            vocab_order, live_tiles, filter_eps, flags, scratch, token_blocks,
                            range(num_vocab_blocks),
-                           correction.kept_mass if correction is not None else None, rank_one)
+                           correction.kept_mass if correction is not None else None, rank_one,
+                           slots, first_slot)
             if needs_grad_c and token_blocks.stop == num_token_blocks:
                 # Pass 1 filtered every tile exactly: its final flags are the tiles pass 2
                 # stores. Listed before the last product, which the GPU runs while the host
                 # reads the lists' lengths and plans pass 2.
                 listed = _list_tiles(flags)
             gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e, token_blocks, room,
-                                      correction, update)
+                                      correction, update, slots, first_slot)
         del scratch, room
 
     if needs_grad_c:
@@ -252,7 +277,7 @@ def _one_pass_backward(plan: OnePassPlan, e, c, target_positions, bias, softcap,
                               range(num_token_blocks), mass_correction=correction,
                               rank_one=(RankOneUpdate.for_embeddings(rank_one, c)
                                         if rank_one is not None else None),
-                              slot_map=_slot_map(tile_lists, num_token_blocks))
+                              slot_map=_slot_map(tile_lists).T.contiguous())
     update = RankOneUpdate.for_classifier(rank_one, e) if rank_one is not None else None
     spare = None
     for vocab_blocks, in_spare in plan.chunks:
@@ -276,21 +301,20 @@ def _live_table(live_tiles: Optional[torch.Tensor], num_token_blocks: int,
     return torch.ones((num_token_blocks, num_vocab_blocks), dtype=torch.int32, device=device)
 
 
-def _slot_map(tile_lists: TileLists, num_token_blocks: int) -> torch.Tensor:
-    """int32 (token blocks, vocabulary blocks): the slot of each listed tile, for the dE
-    product (the k-th of vocabulary block v's list is in slot first_slots[v] + k). Built by
-    indexing rather than by a boolean mask, which would make the host wait for the GPU."""
-    num_vocab_blocks = tile_lists.counts.shape[0]
+def _slot_map(tile_lists: TileLists) -> torch.Tensor:
+    """int32 (rows, columns) of the lists' flags: the slot of each listed tile (the k-th of row
+    r's list is in slot first_slots[r] + k; unlisted tiles: 0). Built by indexing rather than by
+    a boolean mask, which would make the host wait for the GPU."""
+    num_rows, num_columns = tile_lists.lists.shape
     device = tile_lists.counts.device
-    entries = torch.arange(num_token_blocks, device=device, dtype=torch.int32)
+    entries = torch.arange(num_columns, device=device, dtype=torch.int32)
     listed = entries[None, :] < tile_lists.counts[:, None]
-    # Entries past a list's end go to an extra row, dropped at the end.
-    token_blocks = torch.where(listed, tile_lists.lists[:, :num_token_blocks], num_token_blocks)
-    vocab_blocks = torch.arange(num_vocab_blocks, device=device)[:, None].expand_as(listed)
-    slot_map = torch.zeros((num_token_blocks + 1, num_vocab_blocks), dtype=torch.int32,
-                           device=device)
-    slot_map[token_blocks.long(), vocab_blocks] = tile_lists.first_slots[:, None] + entries
-    return slot_map[:num_token_blocks]
+    # Entries past a list's end go to an extra element, dropped at the end.
+    rows = torch.arange(num_rows, device=device, dtype=torch.int64)[:, None]
+    places = torch.where(listed, rows * num_columns + tile_lists.lists, num_rows * num_columns)
+    slot_map = torch.zeros(num_rows * num_columns + 1, dtype=torch.int32, device=device)
+    slot_map[places.flatten()] = (tile_lists.first_slots[:, None] + entries).flatten()
+    return slot_map[:-1].view(num_rows, num_columns)
 
 
 def _spare_tiles(tiles_per_block: np.ndarray, like: torch.Tensor) -> int:
@@ -378,6 +402,20 @@ def _embeddings_pass_scratch(grad_c: Optional[torch.Tensor], e: torch.Tensor,
                    budget // (block_vocab * e.element_size()) // row_segments * row_segments)
     segments = min(segments, triton.cdiv(e.shape[0], block_tokens) * row_segments)
     return Scratch.dedicated(segments, block_vocab, e.dtype, e.device)
+
+
+def _live_tiles_in_slots(live_tiles: Optional[torch.Tensor], whole_rows_chunk: int,
+                         num_token_blocks: int, block_tokens: int) -> bool:
+    """Whether pass 1 stores only the live tiles, each in a slot, rather than whole rows of the
+    grid (``whole_rows_chunk`` token blocks per chunk). Each chunk's recompute and dE product
+    read all of c, so whole rows at small D (dC holds about D tokens of them) take many chunks
+    that wait on memory; slots let a chunk hold about 1 / (live fraction) times more. Slots
+    cost the dE product its whole-block loop, more than they save where whole rows already
+    hold many tokens (:func:`cce.config.slot_chunk_tokens`). The host reads the rows' live
+    counts, so not where it must not wait."""
+    return (live_tiles is not None and whole_rows_chunk < num_token_blocks
+            and whole_rows_chunk * block_tokens < slot_chunk_tokens()
+            and host_may_sync(live_tiles.device))
 
 
 def _embeddings_chunk(scratch: Scratch, num_token_blocks: int, row_segments: int, dim: int,
@@ -487,6 +525,29 @@ def _one_pass_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
         chunks.append((range(first, end), True))
         first = end
     return first_position, chunks
+
+
+def _slot_chunks(tiles_per_row: np.ndarray, slots: int) -> "list[range]":
+    """Pass 1's chunks of token blocks when each live tile has a slot: consecutive rows of the
+    grid whose ``tiles_per_row`` fit in ``slots``, as few chunks as the greedy cut gives, with
+    their tiles shared out about equally (room is left for the dE product's partial sums).
+    A row fits whatever its tiles: the scratch holds a whole row of the grid."""
+    num_rows = len(tiles_per_row)
+    tiles_before = _tiles_before(tiles_per_row)
+    count, first = 0, 0
+    while first < num_rows:
+        first = max(first + 1,
+                    int(np.searchsorted(tiles_before, tiles_before[first] + slots,
+                                        side="right")) - 1)
+        count += 1
+    for parts in range(count, num_rows + 1):
+        shares = tiles_before[-1] * np.arange(1, parts) / parts
+        cuts = [0, *np.searchsorted(tiles_before, shares, side="left").tolist(), num_rows]
+        chunks = [range(a, b) for a, b in zip(cuts, cuts[1:])]
+        if all(len(chunk) and tiles_before[chunk.stop] - tiles_before[chunk.start] <= slots
+               for chunk in chunks):
+            return chunks
+    return [range(row, row + 1) for row in range(num_rows)]
 
 
 def _spare_chunk_end(tiles_before: np.ndarray, first: int, spare_tiles: int) -> int:

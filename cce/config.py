@@ -210,6 +210,16 @@ def spare_scratch_bytes() -> int:
     return _SPARE_SCRATCH_BYTES
 
 
+# Pass 1 stores live tiles in slots where chunks of whole rows of the grid would hold fewer
+# tokens than this (cce.backward._live_tiles_in_slots): faster at 512 (D = 640), slower from
+# 2176 (D = 2304) on; the sizes between were not measured.
+_SLOT_CHUNK_TOKENS = 1024
+
+
+def slot_chunk_tokens() -> int:
+    return _SLOT_CHUNK_TOKENS
+
+
 def whole_waves(blocks: int, programs_per_block: int, device: torch.device) -> int:
     """At most ``blocks`` output blocks, as many as fill whole waves of programs over the SMs
     when there is more than one wave (a last, partial wave runs at a fraction of the GPU)."""

@@ -6,7 +6,9 @@ exactly (gradient filtering: every entry below ``filter_eps``) and stored in the
 
 - Pass 1 (:func:`gradient_tiles`): one program per tile of the chunk's rows of the live grid.
   Tiles that the forward's bounds prove negligible are skipped without a recompute; ``flags``
-  records which tiles survived the filter and were stored. With ``kept_mass``, it also adds up
+  records which tiles survived the filter and were stored. The stored tiles fill whole rows of
+  the grid, or, given a slot for every live tile, only their slots: a chunk of the same scratch
+  then holds more rows. With ``kept_mass``, it also adds up
   each row's softmax mass in the stored tiles, for the dE product's estimate of what the filter
   dropped (:mod:`cce.sparse_tile_matmul`). The sum is in fixed point (units of 2^-62), so that
   the atomic additions are exact and the result does not depend on their order.
@@ -44,7 +46,7 @@ def gradient_tiles_kernel(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
     uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, vocab_order_ptr, live_tiles_ptr,
     flags_ptr, kept_mass_ptr, scratch_ptr, pages_ptr,
-    tile_lists_ptr, tile_counts_ptr, first_slots_ptr,
+    tile_lists_ptr, tile_counts_ptr, first_slots_ptr, slot_map_ptr,
     num_tokens, vocab_size, dim, num_vocab_blocks,
     first_token_block, first_vocab_block, chunk_token_blocks, chunk_vocab_blocks,
     longest_list, list_stride, page_stride,
@@ -52,6 +54,7 @@ def gradient_tiles_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
     UNIFORM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr, LISTED: tl.constexpr,
+    SLOT_MAP: tl.constexpr,
     SUM_KEPT_MASS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -77,8 +80,14 @@ def gradient_tiles_kernel(
         if SKIP_DEAD_TILES:
             live = tl.load(live_tiles_ptr + token_block * num_vocab_blocks
                            + first_vocab_block + chunk_vocab_block) != 0
-        chunk_rows = chunk_token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-        segments = chunk_rows.to(tl.int64) * chunk_vocab_blocks + chunk_vocab_block
+        if SLOT_MAP:
+            # Only live tiles are stored, each in its slot (numbered from the chunk's first).
+            slot = (tl.load(slot_map_ptr + token_block * num_vocab_blocks + first_vocab_block
+                            + chunk_vocab_block) - tl.load(first_slots_ptr))
+            segments = slot.to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        else:
+            chunk_rows = chunk_token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+            segments = chunk_rows.to(tl.int64) * chunk_vocab_blocks + chunk_vocab_block
         flag_ptr = (flags_ptr + token_block * num_vocab_blocks + first_vocab_block
                     + chunk_vocab_block)
     vocab_block = first_vocab_block + chunk_vocab_block
@@ -126,17 +135,21 @@ def gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Ten
                    filter_eps: Optional[float], flags: torch.Tensor, scratch: Scratch,
                    token_blocks: range, vocab_blocks: range,
                    kept_mass: Optional[torch.Tensor] = None,
-                   rank_one: Optional[RankOneTerm] = None) -> None:
-    """Pass 1: store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks),
-    whole rows of the grid, in ``scratch`` and set their ``flags`` (int32, one per live-grid
-    tile: 1 = stored); add the softmax mass of the stored tiles to ``kept_mass`` (int64 (N,),
-    module docstring) when given. ``target_positions``: see
+                   rank_one: Optional[RankOneTerm] = None,
+                   slot_map: Optional[torch.Tensor] = None,
+                   first_slot: Optional[torch.Tensor] = None) -> None:
+    """Pass 1: store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks)
+    in ``scratch`` and set their ``flags`` (int32, one per live-grid tile: 1 = stored). The
+    tiles go to whole rows of the grid, or, with ``slot_map`` (int32, token blocks x vocabulary
+    blocks; needs ``live_tiles``), each live tile to its slot, counted from ``first_slot``
+    (int32, first element) at the scratch's start. Adds the softmax mass of the stored tiles
+    to ``kept_mass`` (int64 (N,), module docstring) when given. ``target_positions``: see
     :func:`cce.vocab_order.target_positions`. ``rank_one``: the gradient's rank-one term (label
     smoothing), which the products add; with a softcap the tiles hold its part that is not
     rank-one (:func:`cce.logit_tile.logit_gradient_tile`)."""
     _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
             live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
-            kept_mass=kept_mass, rank_one=rank_one)
+            kept_mass=kept_mass, rank_one=rank_one, slot_map=slot_map, first_slot=first_slot)
 
 
 def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Tensor,
@@ -160,7 +173,9 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
             live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
             tile_lists: Optional[TileLists] = None, longest_list: int = 1,
             kept_mass: Optional[torch.Tensor] = None,
-            rank_one: Optional[RankOneTerm] = None) -> None:
+            rank_one: Optional[RankOneTerm] = None,
+            slot_map: Optional[torch.Tensor] = None,
+            first_slot: Optional[torch.Tensor] = None) -> None:
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
     listed = tile_lists is not None
@@ -181,7 +196,7 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
         uniform.curvature_mean, uniform.weight, vocab_order, live_tiles, flags, kept_mass,
         scratch.buffer, scratch.pages,
         tile_lists.lists if listed else None, tile_lists.counts if listed else None,
-        tile_lists.first_slots if listed else None,
+        tile_lists.first_slots if listed else first_slot, slot_map,
         num_tokens, c.shape[0], dim, triton.cdiv(c.shape[0], grid.block_vocab),
         token_blocks.start, vocab_blocks.start, len(token_blocks), len(vocab_blocks),
         longest_list, tile_lists.lists.stride(0) if listed else 0,
@@ -191,7 +206,7 @@ def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale
         FILTER=filter_eps is not None, UNIFORM=uniform.scale is not None,
         HAS_CLASS_WEIGHT=uniform.weight is not None,
         SORTED=vocab_order is not None,
-        SKIP_DEAD_TILES=live_tiles is not None, LISTED=listed,
+        SKIP_DEAD_TILES=live_tiles is not None, LISTED=listed, SLOT_MAP=slot_map is not None,
         SUM_KEPT_MASS=kept_mass is not None,
         SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,

@@ -127,6 +127,11 @@ def sparse_tile_matmul_kernel(
     list_end = (split + 1) * count // SPLITS
     BLOCK_ROWS: tl.constexpr = BLOCK_VOCAB if TRANSPOSED else BLOCK_TOKENS
 
+    if SLOT_MAP and CHUNK_SLOTS and not TRANSPOSED:
+        # The slot map numbers the slots of every chunk; this chunk's start at its scratch's 0.
+        slot_base = tl.load(first_slots_ptr)
+    else:
+        slot_base = 0
     if TRANSPOSED:
         vocab, row_mask = vocab_block_entries(vocab_order_ptr, first_block + out_block,
                                               tl.arange(0, BLOCK_VOCAB), vocab_size, BLOCK_VOCAB,
@@ -173,7 +178,7 @@ def sparse_tile_matmul_kernel(
             if SLOT_MAP:
                 # Tiles kept whole in slots (the dC product's layout): look the slot up.
                 slot = tl.load(slot_map_ptr + (first_block + out_block).to(tl.int64)
-                               * chunk_vocab_blocks + other_block)
+                               * chunk_vocab_blocks + other_block) - slot_base
                 segments = (slot.to(tl.int64) * BLOCK_TOKENS
                             + tl.arange(0, BLOCK_TOKENS))
             else:
@@ -232,18 +237,20 @@ def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Te
                               token_blocks: range, room: Optional[torch.Tensor] = None,
                               mass_correction: Optional[MassCorrection] = None,
                               rank_one: Optional[RankOneUpdate] = None,
-                              slot_map: Optional[torch.Tensor] = None) -> None:
+                              slot_map: Optional[torch.Tensor] = None,
+                              first_slot: Optional[torch.Tensor] = None) -> None:
     """``grad_e[rows of token_blocks] = G @ c`` for a chunk of whole rows of the tile grid
     (pass 1: stored whole rows of the grid, ``flags`` say which tiles hold something), plus the
     filtered mass along the mean row of c when ``mass_correction`` is given, plus ``rank_one``
     (:meth:`RankOneUpdate.for_embeddings`) when given.
     ``room``: free float32 memory for the partial sums of a split product. ``slot_map``: int32
     (token blocks, vocabulary blocks), the slot of each flagged tile when the tiles are stored
-    in slots (as for the dC product) rather than as whole rows of the grid."""
+    in slots rather than as whole rows of the grid; ``first_slot``: int32, first element: the
+    slot the scratch holds at its start (None: slot 0)."""
     lists, counts = live_lists(flags[token_blocks.start:token_blocks.stop])
-    _launch(scratch, lists, counts, None, c, vocab_order, grad_e, None, token_blocks.start,
+    _launch(scratch, lists, counts, first_slot, c, vocab_order, grad_e, None, token_blocks.start,
             flags.shape[1], transposed=False, room=room, mass_correction=mass_correction,
-            rank_one=rank_one, slot_map=slot_map)
+            rank_one=rank_one, slot_map=slot_map, chunk_slots=first_slot is not None)
 
 
 def gradient_times_classifier(scratch: Scratch, tile_lists: TileLists, e: torch.Tensor,

@@ -20,6 +20,7 @@ import torch
 
 import cce.backward
 import cce.classifier_product
+import cce.config
 import cce.sparse_tile_matmul
 from cce.cce_function import loss_backward, loss_forward
 from cce.classifier_sums import classifier_sums, classifier_sums_by_kernel
@@ -27,7 +28,7 @@ from cce.config import kernel_configs
 from cce.host_copy import start_host_copy
 from cce.live_lists import live_lists
 from cce.partial_sums import sum_partials
-from tests.helpers import (check, make_grad_output, make_inputs, peaked_inputs,
+from tests.helpers import (Inputs, check, make_grad_output, make_inputs, peaked_inputs,
                            run_reference)
 from tests.reference import relative_error
 
@@ -66,15 +67,19 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str, module: ModuleType = cce.ba
     return calls
 
 
+@pytest.mark.parametrize("slot_chunk_tokens", [0, 2**31], ids=["whole-rows", "slots"])
 @pytest.mark.parametrize("vocab_sorting", [True, False], ids=["sorted", "unsorted"])
 @pytest.mark.parametrize("filter_eps", ["auto", None], ids=["filter", "nofilter"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional[str],
-                                        vocab_sorting: bool, device: str,
+                                        vocab_sorting: bool, slot_chunk_tokens: int, device: str,
                                         gen: torch.Generator, two_passes: None,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Several dE chunks, several shrinking dC chunks and a tail through the spare buffer (one
-    segment per page), all exact."""
+    segment per page), all exact. Pass 1 stores whole rows of the grid, or, where chunks of
+    whole rows would hold fewer tokens than ``slot_chunk_tokens`` and the forward's bounds give
+    a table of live tiles (the filter), only the live tiles, each in a slot."""
+    monkeypatch.setattr(cce.config, "_SLOT_CHUNK_TOKENS", slot_chunk_tokens)
     embeddings_chunks = _spy(monkeypatch, "gradient_times_embeddings")
     classifier_chunks = _spy(monkeypatch, "gradient_times_classifier")
     vocab, dim = _shape(dtype)
@@ -83,8 +88,36 @@ def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional
     check("cce", inputs, gen, "mean", filter_eps=filter_eps, vocab_sorting=vocab_sorting)
     in_spare = [scratch.segments_per_page == 1 for scratch, *_ in classifier_chunks]
     assert len(embeddings_chunks) >= 2
+    in_slots = bool(slot_chunk_tokens) and filter_eps is not None
+    assert all((args[9] is not None) == in_slots for args in embeddings_chunks)  # slot map
     assert in_spare.count(False) >= 2 and in_spare[-1]
     assert in_spare == sorted(in_spare)  # free rows first, then the spare buffer
+
+
+def test_pass_one_stores_only_live_tiles_in_slots(device: str, gen: torch.Generator,
+                                                  two_passes: None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where chunks of whole rows of the grid would hold few tokens (small D: here 3 token
+    blocks) and the forward's bounds leave tiles dead, pass 1 gives each live tile a slot of
+    dC's memory instead, so that a chunk holds more token blocks than whole rows would; the
+    gradients still match the reference. (bf16: float32's default filter threshold keeps nearly
+    every tile live.)"""
+    embeddings_chunks = _spy(monkeypatch, "gradient_times_embeddings")
+    grid = kernel_configs(torch.bfloat16).live_grid
+    vocab = _shape(torch.bfloat16)[0]
+    row_segments = grid.block_tokens * -(-vocab // grid.block_vocab)
+    dim = -(-3 * row_segments // vocab) * grid.block_vocab  # dC: 3 whole rows of the grid
+    e, c, targets = peaked_inputs(gen, device, 8 * grid.block_tokens - 5, vocab, dim)
+    # Targets among each row's likeliest entries, as a trained model's are: they keep few
+    # tiles live.
+    targets = torch.where(targets >= 0, (e @ c.T).argmax(dim=1), targets)
+    inputs = Inputs(e.bfloat16(), c.bfloat16(), targets, options={"ignore_index": -1})
+    check("cce", inputs, gen, "mean")
+    whole_rows_per_chunk = vocab * (dim // grid.block_vocab) // row_segments
+    token_blocks = [args[5] for args in embeddings_chunks]
+    assert all(args[9] is not None for args in embeddings_chunks)  # the slot map
+    assert [block for chunk in token_blocks for block in chunk] == list(range(8))
+    assert max(len(chunk) for chunk in token_blocks) > whole_rows_per_chunk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -118,7 +151,10 @@ def test_whole_blocks_match_reference(dtype: torch.dtype, label_smoothing: float
     masks and, where its configuration says so (16-bit on a GPU, and in the interpreter), takes
     each tile in shallower steps: the gradients still match the reference. A D that only half
     the configured output width divides (2.5 widths: Gemma 3's 640 on a GPU) gets outputs of
-    that half, all whole, except with label smoothing's rank-one term (measured slower)."""
+    that half, all whole, except with label smoothing's rank-one term (measured slower). (Pass
+    1 in whole rows of the grid: slots, which these few tokens per chunk would get, forgo the
+    whole-block loop.)"""
+    monkeypatch.setattr(cce.config, "_SLOT_CHUNK_TOKENS", 0)
     configs = kernel_configs(dtype)
     launches = []
     kernel = cce.sparse_tile_matmul.sparse_tile_matmul_kernel
