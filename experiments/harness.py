@@ -176,7 +176,7 @@ def _shown(path: Path) -> str:
 def environment() -> dict[str, Any]:
     """Where and with what the results were produced; deliberately no hostname."""
     return {
-        "device": torch.cuda.get_device_name(DEVICE) if ON_GPU else "cpu",
+        "device": device_name() if ON_GPU else "cpu",
         "torch": torch.__version__,
         "triton": _package_version("triton"),
         "cuda": torch.version.cuda if ON_GPU else None,
