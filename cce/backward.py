@@ -68,7 +68,7 @@ def linear_cross_entropy_backward(
     live_tiles: Optional[torch.Tensor], filter_eps: Optional[float], needs_grad_e: bool,
     needs_grad_c: bool, mass_correction: bool = False,
     rank_one: Optional[RankOneTerm] = None, keep_tiles: bool = False,
-    shard_mass: Optional[torch.Tensor] = None, grad_e_dtype: Optional[torch.dtype] = None,
+    deterministic: bool = False, shard_mass: Optional[torch.Tensor] = None, grad_e_dtype: Optional[torch.dtype] = None,
     classifier_row_sum: Optional[torch.Tensor] = None,
 ) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
     """(dE, dC, dbias), each None when not needed. ``target_positions``: see
@@ -78,9 +78,11 @@ def linear_cross_entropy_backward(
     needs ``filter_eps`` and no softcap); ``rank_one``: the rank-one term of the logits'
     gradient (label smoothing, :mod:`cce.weighting`), or None; ``keep_tiles``: when both
     gradients are needed and the host may wait, run the one-pass backward with its tiles in a
-    buffer of their own even where they do not fit in dC. When ``c`` is one shard of the vocabulary
-    (:mod:`cce.vocab_parallel`), ``lse`` is the whole vocabulary's and ``shard_mass`` (float32
-    (N,)) each row's softmax mass in the shard, which the correction needs. ``grad_e_dtype``:
+    buffer of their own even where they do not fit in dC; ``deterministic``: pass 1's chunks
+    do not follow the live tiles (:func:`_live_tiles_in_slots`). When ``c`` is one shard of the
+    vocabulary (:mod:`cce.vocab_parallel`), ``lse`` is the whole vocabulary's and
+    ``shard_mass`` (float32 (N,)) each row's softmax mass in the shard, which the correction
+    needs. ``grad_e_dtype``:
     dE's dtype (default e's; float32 for a dE that is summed over shards).
     ``classifier_row_sum``: float32 (D,) ``c.sum(0)`` where the forward has it, for the mass
     correction (None: the backward reads ``c`` for it)."""
@@ -124,8 +126,8 @@ def linear_cross_entropy_backward(
         whole_rows_chunk = _embeddings_chunk(scratch, num_token_blocks, row_segments, dim,
                                              block_out, e.dtype, e.device)
         slots = None
-        if _live_tiles_in_slots(live_tiles, whole_rows_chunk, num_token_blocks,
-                                grid.block_tokens):
+        if not deterministic and _live_tiles_in_slots(live_tiles, whole_rows_chunk,
+                                                      num_token_blocks, grid.block_tokens):
             live_rows = TileLists.of(live_tiles)
             read_tiles_per_row = start_host_copy(live_rows.counts)
             # Queued behind that copy: the GPU runs them while the host plans.
@@ -412,7 +414,9 @@ def _live_tiles_in_slots(live_tiles: Optional[torch.Tensor], whole_rows_chunk: i
     that wait on memory; slots let a chunk hold about 1 / (live fraction) times more. Slots
     cost the dE product its whole-block loop, more than they save where whole rows already
     hold many tokens (:func:`cce.config.slot_chunk_tokens`). The host reads the rows' live
-    counts, so not where it must not wait."""
+    counts, so not where it must not wait. (Nor in deterministic mode: the live tiles depend on
+    when the forward's programs read the merged LSE, and slot chunks on the live tiles, so the
+    product's splits, and the order of its float32 sums, would too.)"""
     return (live_tiles is not None and whole_rows_chunk < num_token_blocks
             and whole_rows_chunk * block_tokens < slot_chunk_tokens()
             and host_may_sync(live_tiles.device))
