@@ -50,7 +50,7 @@ import triton
 
 from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, slot_chunk_tokens,
                         sm_utilization, spare_scratch_bytes, whole_waves)
-from cce.gradient_tiles import gradient_tiles, listed_gradient_tiles
+from cce.gradient_tiles import RecomputeInputs, gradient_tiles, listed_gradient_tiles
 from cce.host_copy import start_host_copy
 from cce.live_lists import TileLists
 from cce.scratch import Scratch, rows_can_hold_segments
@@ -68,7 +68,8 @@ def linear_cross_entropy_backward(
     live_tiles: Optional[torch.Tensor], filter_eps: Optional[float], needs_grad_e: bool,
     needs_grad_c: bool, mass_correction: bool = False,
     rank_one: Optional[RankOneTerm] = None, keep_tiles: bool = False,
-    deterministic: bool = False, shard_mass: Optional[torch.Tensor] = None, grad_e_dtype: Optional[torch.dtype] = None,
+    deterministic: bool = False, shard_mass: Optional[torch.Tensor] = None,
+    grad_e_dtype: Optional[torch.dtype] = None,
     classifier_row_sum: Optional[torch.Tensor] = None,
 ) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
     """(dE, dC, dbias), each None when not needed. ``target_positions``: see
@@ -94,6 +95,8 @@ def linear_cross_entropy_backward(
     grad_c = (torch.empty((vocab_size, dim), dtype=c.dtype, device=c.device)
               if needs_grad_c else None)
     grad_bias = torch.empty_like(bias) if needs_grad_c and bias is not None else None
+    recompute = RecomputeInputs(e, c, target_positions, bias, softcap, lse, prob_scale,
+                                target_scale, vocab_order, filter_eps, rank_one)
 
     correction = None
     if (needs_grad_e and needs_grad_c and host_may_sync(e.device)
@@ -107,9 +110,7 @@ def linear_cross_entropy_backward(
         if one_pass is not None:
             grad_e = torch.empty((num_tokens, dim), dtype=grad_e_dtype or e.dtype,
                                  device=e.device)
-            _one_pass_backward(one_pass, e, c, target_positions, bias, softcap, lse,
-                               prob_scale, target_scale, vocab_order, filter_eps, correction,
-                               rank_one, grad_e, grad_c, grad_bias)
+            _one_pass_backward(one_pass, recompute, correction, grad_e, grad_c, grad_bias)
             return grad_e, grad_c, grad_bias
 
     # Pass 1's record: 1 where the tile survived the filter and was stored.
@@ -152,10 +153,9 @@ def linear_cross_entropy_backward(
                 used_segments = int(tiles_per_row[token_blocks.start:token_blocks.stop].sum()
                                     ) * grid.block_tokens
             room = _room_after(scratch, used_segments)
-            gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
-                           vocab_order, live_tiles, filter_eps, flags, scratch, token_blocks,
+            gradient_tiles(recompute, live_tiles, flags, scratch, token_blocks,
                            range(num_vocab_blocks),
-                           correction.kept_mass if correction is not None else None, rank_one,
+                           correction.kept_mass if correction is not None else None,
                            slots, first_slot)
             if needs_grad_c and token_blocks.stop == num_token_blocks:
                 # Pass 1 filtered every tile exactly: its final flags are the tiles pass 2
@@ -188,11 +188,9 @@ def linear_cross_entropy_backward(
                 scratch = Scratch.in_rows(grad_c, free_rows, grid.block_vocab)
             chunk_lists = tile_lists.rows(vocab_blocks)
             # Pass 1's tiles survived the filter already: the same recompute needs no test.
-            listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale,
-                                  target_scale, vocab_order,
-                                  None if needs_grad_e else filter_eps, scratch, chunk_lists,
-                                  _longest_list(tiles_per_block, vocab_blocks), vocab_blocks,
-                                  rank_one=rank_one)
+            listed_gradient_tiles(recompute._replace(filter_eps=None) if needs_grad_e
+                                  else recompute, scratch, chunk_lists,
+                                  _longest_list(tiles_per_block, vocab_blocks), vocab_blocks)
             gradient_times_classifier(scratch, chunk_lists, e, vocab_order, grad_c, grad_bias,
                                       vocab_blocks, update)
     return grad_e, grad_c, grad_bias
@@ -260,21 +258,20 @@ def _one_pass_may_pay(num_token_blocks: int, num_vocab_blocks: int,
             and sm_utilization(programs, grad_c.device) >= _ONE_PASS_MIN_UTILIZATION)
 
 
-def _one_pass_backward(plan: OnePassPlan, e, c, target_positions, bias, softcap, lse,
-                       prob_scale, target_scale, vocab_order, filter_eps,
-                       correction: Optional[MassCorrection], rank_one: Optional[RankOneTerm],
-                       grad_e: torch.Tensor, grad_c: torch.Tensor,
-                       grad_bias: Optional[torch.Tensor]) -> None:
+def _one_pass_backward(plan: OnePassPlan, recompute: RecomputeInputs,
+                       correction: Optional[MassCorrection], grad_e: torch.Tensor,
+                       grad_c: torch.Tensor, grad_bias: Optional[torch.Tensor]) -> None:
     """Both gradients from one recompute of every live tile: each tile is stored in its slot
     (tiles the exact filter drops as zeros), the dE product reads them all through a map from
     grid tile to slot, then dC is written chunk by chunk (module docstring)."""
+    e, c, vocab_order, rank_one = (recompute.e, recompute.c, recompute.vocab_order,
+                                   recompute.rank_one)
     tile_lists, scratch = plan.tile_lists, plan.scratch
     num_token_blocks, num_vocab_blocks = plan.live_tiles.shape
     all_vocab_blocks = range(num_vocab_blocks)
-    listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale,
-                          vocab_order, filter_eps, scratch, tile_lists,
+    listed_gradient_tiles(recompute, scratch, tile_lists,
                           _longest_list(plan.tiles_per_block, all_vocab_blocks), all_vocab_blocks,
-                          correction.kept_mass if correction is not None else None, rank_one)
+                          correction.kept_mass if correction is not None else None)
     gradient_times_embeddings(scratch, plan.live_tiles, c, vocab_order, grad_e,
                               range(num_token_blocks), mass_correction=correction,
                               rank_one=(RankOneUpdate.for_embeddings(rank_one, c)
@@ -286,10 +283,9 @@ def _one_pass_backward(plan: OnePassPlan, e, c, target_positions, bias, softcap,
         chunk_lists = tile_lists.rows(vocab_blocks)
         if in_spare:
             spare = spare or _spare_scratch(_spare_tiles(plan.tiles_per_block, c), c)
-            listed_gradient_tiles(e, c, target_positions, bias, softcap, lse, prob_scale,
-                                  target_scale, vocab_order, filter_eps, spare, chunk_lists,
+            listed_gradient_tiles(recompute, spare, chunk_lists,
                                   _longest_list(plan.tiles_per_block, vocab_blocks),
-                                  vocab_blocks, rank_one=rank_one)
+                                  vocab_blocks)
         gradient_times_classifier(spare if in_spare else scratch, chunk_lists, e, vocab_order,
                                   grad_c, grad_bias, vocab_blocks, update,
                                   chunk_slots=in_spare)

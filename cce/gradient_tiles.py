@@ -19,7 +19,7 @@ exactly (gradient filtering: every entry below ``filter_eps``) and stored in the
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -128,14 +128,30 @@ def gradient_tiles_kernel(
         tl.store(flag_ptr, 0)
 
 
-def gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Tensor,
-                   bias: Optional[torch.Tensor], softcap: Optional[float], lse: torch.Tensor,
-                   prob_scale: torch.Tensor, target_scale: torch.Tensor,
-                   vocab_order: Optional[torch.Tensor], live_tiles: Optional[torch.Tensor],
-                   filter_eps: Optional[float], flags: torch.Tensor, scratch: Scratch,
-                   token_blocks: range, vocab_blocks: range,
-                   kept_mass: Optional[torch.Tensor] = None,
-                   rank_one: Optional[RankOneTerm] = None,
+class RecomputeInputs(NamedTuple):
+    """What recomputing a tile of ``G`` reads, the same in every pass. ``target_positions``:
+    see :func:`cce.vocab_order.target_positions`; ``prob_scale`` and ``target_scale``: each
+    row's weight of the softmax and of the one-hot (:mod:`cce.weighting`); ``filter_eps``: the
+    exact filter's threshold (None: store every recomputed tile); ``rank_one``: the gradient's
+    rank-one term (label smoothing), which the products add; with a softcap the tiles hold its
+    part that is not rank-one (:func:`cce.logit_tile.logit_gradient_tile`)."""
+
+    e: torch.Tensor
+    c: torch.Tensor
+    target_positions: torch.Tensor
+    bias: Optional[torch.Tensor]
+    softcap: Optional[float]
+    lse: torch.Tensor
+    prob_scale: torch.Tensor
+    target_scale: torch.Tensor
+    vocab_order: Optional[torch.Tensor]
+    filter_eps: Optional[float]
+    rank_one: Optional[RankOneTerm]
+
+
+def gradient_tiles(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
+                   flags: torch.Tensor, scratch: Scratch, token_blocks: range,
+                   vocab_blocks: range, kept_mass: Optional[torch.Tensor] = None,
                    slot_map: Optional[torch.Tensor] = None,
                    first_slot: Optional[torch.Tensor] = None) -> None:
     """Pass 1: store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks)
@@ -143,39 +159,30 @@ def gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Ten
     tiles go to whole rows of the grid, or, with ``slot_map`` (int32, token blocks x vocabulary
     blocks; needs ``live_tiles``), each live tile to its slot, counted from ``first_slot``
     (int32, first element) at the scratch's start. Adds the softmax mass of the stored tiles
-    to ``kept_mass`` (int64 (N,), module docstring) when given. ``target_positions``: see
-    :func:`cce.vocab_order.target_positions`. ``rank_one``: the gradient's rank-one term (label
-    smoothing), which the products add; with a softcap the tiles hold its part that is not
-    rank-one (:func:`cce.logit_tile.logit_gradient_tile`)."""
-    _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
-            live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
-            kept_mass=kept_mass, rank_one=rank_one, slot_map=slot_map, first_slot=first_slot)
+    to ``kept_mass`` (int64 (N,), module docstring) when given."""
+    _launch(inputs, live_tiles, flags, scratch, token_blocks, vocab_blocks,
+            kept_mass=kept_mass, slot_map=slot_map, first_slot=first_slot)
 
 
-def listed_gradient_tiles(e: torch.Tensor, c: torch.Tensor, target_positions: torch.Tensor,
-                          bias: Optional[torch.Tensor], softcap: Optional[float],
-                          lse: torch.Tensor, prob_scale: torch.Tensor,
-                          target_scale: torch.Tensor, vocab_order: Optional[torch.Tensor],
-                          filter_eps: Optional[float], scratch: Scratch, tile_lists: TileLists,
+def listed_gradient_tiles(inputs: RecomputeInputs, scratch: Scratch, tile_lists: TileLists,
                           longest_list: int, vocab_blocks: range,
-                          kept_mass: Optional[torch.Tensor] = None,
-                          rank_one: Optional[RankOneTerm] = None) -> None:
+                          kept_mass: Optional[torch.Tensor] = None) -> None:
     """Pass 2: store the listed tiles of ``vocab_blocks`` (``tile_lists``: per vocabulary block,
     the token blocks to store; ``longest_list``: at least the longest of those lists), each in
     its slot; tiles the filter drops are stored as zeros. ``kept_mass`` (when this is the
-    backward's only recompute) and ``rank_one``: as in :func:`gradient_tiles`."""
-    _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
-            None, filter_eps, None, scratch, range(0), vocab_blocks, tile_lists=tile_lists,
-            longest_list=longest_list, kept_mass=kept_mass, rank_one=rank_one)
+    backward's only recompute): as in :func:`gradient_tiles`."""
+    _launch(inputs, None, None, scratch, range(0), vocab_blocks, tile_lists=tile_lists,
+            longest_list=longest_list, kept_mass=kept_mass)
 
 
-def _launch(e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
-            live_tiles, filter_eps, flags, scratch, token_blocks, vocab_blocks,
-            tile_lists: Optional[TileLists] = None, longest_list: int = 1,
+def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
+            flags: Optional[torch.Tensor], scratch: Scratch, token_blocks: range,
+            vocab_blocks: range, tile_lists: Optional[TileLists] = None, longest_list: int = 1,
             kept_mass: Optional[torch.Tensor] = None,
-            rank_one: Optional[RankOneTerm] = None,
             slot_map: Optional[torch.Tensor] = None,
             first_slot: Optional[torch.Tensor] = None) -> None:
+    (e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
+     filter_eps, rank_one) = inputs
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
     listed = tile_lists is not None

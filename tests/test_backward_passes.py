@@ -406,7 +406,7 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
                                        curvature_sum, row_sum, grad_loss, None, None, 2.0**-12,
                                        True, 0.0, False, False, needs_grad_e=with_grad_e,
                                        needs_grad_c=True)
-        return gradient, sum(int(args[11].counts.sum()) for args in listed)
+        return gradient, sum(int(args[2].counts.sum()) for args in listed)  # tile_lists
 
     beside, stored_beside = grad_c(with_grad_e=True)
     alone, listed_alone = grad_c(with_grad_e=False)

@@ -81,10 +81,11 @@ def recompute_call(inputs: dict, configs: object):
                                 e.device)
 
     def call():
-        gradient_tiles_module.gradient_tiles(
+        recompute = gradient_tiles_module.RecomputeInputs(
             e, c, inputs["positions"], None, None, inputs["lse"], inputs["prob_scale"],
-            inputs["target_scale"], inputs["order"], None, 0.0, flags, scratch, token_blocks,
-            range(num_vocab_blocks))
+            inputs["target_scale"], inputs["order"], 0.0, None)
+        gradient_tiles_module.gradient_tiles(recompute, None, flags, scratch, token_blocks,
+                                             range(num_vocab_blocks))
     return call
 
 
