@@ -67,19 +67,17 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str, module: ModuleType = cce.ba
     return calls
 
 
-@pytest.mark.parametrize("slot_chunk_tokens", [0, 2**31], ids=["whole-rows", "slots"])
 @pytest.mark.parametrize("vocab_sorting", [True, False], ids=["sorted", "unsorted"])
 @pytest.mark.parametrize("filter_eps", ["auto", None], ids=["filter", "nofilter"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional[str],
-                                        vocab_sorting: bool, slot_chunk_tokens: int, device: str,
+                                        vocab_sorting: bool, device: str,
                                         gen: torch.Generator, two_passes: None,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Several dE chunks, several shrinking dC chunks and a tail through the spare buffer (one
-    segment per page), all exact. Pass 1 stores whole rows of the grid, or, where chunks of
-    whole rows would hold fewer tokens than ``slot_chunk_tokens`` and the forward's bounds give
-    a table of live tiles (the filter), only the live tiles, each in a slot."""
-    monkeypatch.setattr(cce.config, "_SLOT_CHUNK_TOKENS", slot_chunk_tokens)
+    """Several dE chunks of whole rows of the grid (as at large D; these small shapes' few
+    tokens per chunk would take slots, which the next test covers), several shrinking dC chunks
+    and a tail through the spare buffer (one segment per page), all exact."""
+    monkeypatch.setattr(cce.config, "_SLOT_CHUNK_TOKENS", 0)
     embeddings_chunks = _spy(monkeypatch, "gradient_times_embeddings")
     classifier_chunks = _spy(monkeypatch, "gradient_times_classifier")
     vocab, dim = _shape(dtype)
@@ -88,8 +86,7 @@ def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional
     check("cce", inputs, gen, "mean", filter_eps=filter_eps, vocab_sorting=vocab_sorting)
     in_spare = [scratch.segments_per_page == 1 for scratch, *_ in classifier_chunks]
     assert len(embeddings_chunks) >= 2
-    in_slots = bool(slot_chunk_tokens) and filter_eps is not None
-    assert all((args[9] is not None) == in_slots for args in embeddings_chunks)  # slot map
+    assert all(args[9] is None for args in embeddings_chunks)  # no slot map
     assert in_spare.count(False) >= 2 and in_spare[-1]
     assert in_spare == sorted(in_spare)  # free rows first, then the spare buffer
 
