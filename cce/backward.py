@@ -127,8 +127,8 @@ def linear_cross_entropy_backward(
         whole_rows_chunk = _embeddings_chunk(scratch, num_token_blocks, row_segments, dim,
                                              block_out, e.dtype, e.device)
         slots = None
-        if not deterministic and _live_tiles_in_slots(live_tiles, whole_rows_chunk,
-                                                      num_token_blocks, grid.block_tokens):
+        if _live_tiles_in_slots(live_tiles, whole_rows_chunk, num_token_blocks,
+                                grid.block_tokens, deterministic):
             live_rows = TileLists.of(live_tiles)
             read_tiles_per_row = start_host_copy(live_rows.counts)
             # Queued behind that copy: the GPU runs them while the host plans.
@@ -403,7 +403,7 @@ def _embeddings_pass_scratch(grad_c: Optional[torch.Tensor], e: torch.Tensor,
 
 
 def _live_tiles_in_slots(live_tiles: Optional[torch.Tensor], whole_rows_chunk: int,
-                         num_token_blocks: int, block_tokens: int) -> bool:
+                         num_token_blocks: int, block_tokens: int, deterministic: bool) -> bool:
     """Whether pass 1 stores only the live tiles, each in a slot, rather than whole rows of the
     grid (``whole_rows_chunk`` token blocks per chunk). Each chunk's recompute and dE product
     read all of c, so whole rows at small D (dC holds about D tokens of them) take many chunks
@@ -413,7 +413,7 @@ def _live_tiles_in_slots(live_tiles: Optional[torch.Tensor], whole_rows_chunk: i
     counts, so not where it must not wait. (Nor in deterministic mode: the live tiles depend on
     when the forward's programs read the merged LSE, and slot chunks on the live tiles, so the
     product's splits, and the order of its float32 sums, would too.)"""
-    return (live_tiles is not None and whole_rows_chunk < num_token_blocks
+    return (not deterministic and live_tiles is not None and whole_rows_chunk < num_token_blocks
             and whole_rows_chunk * block_tokens < slot_chunk_tokens()
             and host_may_sync(live_tiles.device))
 
