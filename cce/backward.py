@@ -131,17 +131,17 @@ def linear_cross_entropy_backward(
                                 grid.block_tokens, deterministic):
             live_rows = TileLists.of(live_tiles)
             read_tiles_per_row = start_host_copy(live_rows.counts)
-            # Queued behind that copy: the GPU runs them while the host plans.
-            if mass_correction and correction is None:
-                correction = MassCorrection.of(c, prob_scale, shard_mass, classifier_row_sum)
             slots = _slot_map(live_rows)
+        # With slots, queued behind the copy of the row counts: the GPU runs it while the host
+        # plans.
+        if mass_correction and correction is None:
+            correction = MassCorrection.of(c, prob_scale, shard_mass, classifier_row_sum)
+        if slots is not None:
             tiles_per_row = read_tiles_per_row()
             chunks = _slot_chunks(tiles_per_row, scratch.segments // grid.block_tokens)
         else:
             chunks = [range(first, min(first + whole_rows_chunk, num_token_blocks))
                       for first in range(0, num_token_blocks, whole_rows_chunk)]
-        if mass_correction and correction is None:
-            correction = MassCorrection.of(c, prob_scale, shard_mass, classifier_row_sum)
         update = RankOneUpdate.for_embeddings(rank_one, c) if rank_one is not None else None
         room = None
         for token_blocks in chunks:

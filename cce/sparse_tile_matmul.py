@@ -239,10 +239,11 @@ def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Te
                               rank_one: Optional[RankOneUpdate] = None,
                               slot_map: Optional[torch.Tensor] = None,
                               first_slot: Optional[torch.Tensor] = None) -> None:
-    """``grad_e[rows of token_blocks] = G @ c`` for a chunk of whole rows of the tile grid
-    (pass 1: stored whole rows of the grid, ``flags`` say which tiles hold something), plus the
-    filtered mass along the mean row of c when ``mass_correction`` is given, plus ``rank_one``
-    (:meth:`RankOneUpdate.for_embeddings`) when given.
+    """``grad_e[rows of token_blocks] = G @ c`` for a chunk of rows of the tile grid (pass 1:
+    its tiles stored as whole rows of the grid, or in slots with ``slot_map``; ``flags`` say
+    which tiles hold something), plus the filtered mass along the mean row of c when
+    ``mass_correction`` is given, plus ``rank_one`` (:meth:`RankOneUpdate.for_embeddings`) when
+    given.
     ``room``: free float32 memory for the partial sums of a split product. ``slot_map``: int32
     (token blocks, vocabulary blocks), the slot of each flagged tile when the tiles are stored
     in slots rather than as whole rows of the grid; ``first_slot``: int32, first element: the
