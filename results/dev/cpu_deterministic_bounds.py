@@ -16,8 +16,9 @@ inputs alone. This counts, on the benchmark's calibrated inputs
   order, most of the mass, is merged), own LSE and target otherwise;
 - ``own``: the bound from the target's logit and the program's own tiles only;
 - ``head_H``: a first launch covers the first H forward tiles of the order (the head, most of
-  the mass) with ``own`` bounds; the rest, in the forward's splits, adds the head's LSE to
-  ``own`` (``head_split``: H = one split's tiles).
+  the mass), one program per tile (``own`` bounds from that tile alone), so that it fills the
+  GPU at any N; the rest, in the forward's splits, adds the head's LSE to ``own``
+  (``head_split``: H = one split's tiles).
 
 Splits as the forward's at N = 8192 on 132 SMs (``config.forward_vocab_splits``), 256-wide
 forward tiles (two live-grid tiles), the live table's rounding margin (2^-7). The GPU's table
@@ -68,7 +69,7 @@ def head_bounds(tile_max: torch.Tensor, forward_lse: torch.Tensor, target_logit:
     whose LSE bounds the rest, split in ``num_splits`` programs per token block."""
     num_forward = forward_lse.shape[1]
     head_lse = torch.logsumexp(forward_lse[:, :head], dim=1)
-    lowers = [own_lower_bounds(forward_lse, target_logit, 0, head)]
+    lowers = [torch.maximum(forward_lse[:, :head], target_logit[:, None])]
     per_program = math.ceil((num_forward - head) / num_splits)
     for first in range(head, num_forward, per_program):
         last = min(first + per_program, num_forward)
