@@ -276,7 +276,7 @@ def _one_pass_backward(plan: OnePassPlan, recompute: RecomputeInputs,
                               range(num_token_blocks), mass_correction=correction,
                               rank_one=(RankOneUpdate.for_embeddings(rank_one, c)
                                         if rank_one is not None else None),
-                              slot_map=_slot_map(tile_lists).T.contiguous())
+                              slot_map=_slot_map(tile_lists, transposed=True))
     update = RankOneUpdate.for_classifier(rank_one, e) if rank_one is not None else None
     spare = None
     for vocab_blocks, in_spare in plan.chunks:
@@ -299,20 +299,24 @@ def _live_table(live_tiles: Optional[torch.Tensor], num_token_blocks: int,
     return torch.ones((num_token_blocks, num_vocab_blocks), dtype=torch.int32, device=device)
 
 
-def _slot_map(tile_lists: TileLists) -> torch.Tensor:
-    """int32 (rows, columns) of the lists' flags: the slot of each listed tile (the k-th of row
-    r's list is in slot first_slots[r] + k; unlisted tiles: 0). Built by indexing rather than by
-    a boolean mask, which would make the host wait for the GPU."""
+def _slot_map(tile_lists: TileLists, transposed: bool = False) -> torch.Tensor:
+    """int32 (rows, columns) of the lists' flags, or (columns, rows) when ``transposed``: the
+    slot of each listed tile (the k-th of row r's list is in slot first_slots[r] + k; unlisted
+    tiles: 0). Built by indexing rather than by a boolean mask, which would make the host wait
+    for the GPU."""
     num_rows, num_columns = tile_lists.lists.shape
     device = tile_lists.counts.device
     entries = torch.arange(num_columns, device=device, dtype=torch.int32)
     listed = entries[None, :] < tile_lists.counts[:, None]
-    # Entries past a list's end go to an extra element, dropped at the end.
     rows = torch.arange(num_rows, device=device, dtype=torch.int64)[:, None]
-    places = torch.where(listed, rows * num_columns + tile_lists.lists, num_rows * num_columns)
+    places = (tile_lists.lists * num_rows + rows if transposed
+              else rows * num_columns + tile_lists.lists)
+    # Entries past a list's end go to an extra element, dropped at the end.
+    places = torch.where(listed, places, num_rows * num_columns)
     slot_map = torch.zeros(num_rows * num_columns + 1, dtype=torch.int32, device=device)
     slot_map[places.flatten()] = (tile_lists.first_slots[:, None] + entries).flatten()
-    return slot_map[:-1].view(num_rows, num_columns)
+    shape = (num_columns, num_rows) if transposed else (num_rows, num_columns)
+    return slot_map[:-1].view(shape)
 
 
 def _spare_tiles(tiles_per_block: np.ndarray, like: torch.Tensor) -> int:
