@@ -68,7 +68,7 @@ def linear_cross_entropy_backward(
     live_tiles: Optional[torch.Tensor], filter_eps: Optional[float], needs_grad_e: bool,
     needs_grad_c: bool, mass_correction: bool = False,
     rank_one: Optional[RankOneTerm] = None, keep_tiles: bool = False,
-    deterministic: bool = False, shard_mass: Optional[torch.Tensor] = None,
+    shard_mass: Optional[torch.Tensor] = None,
     grad_e_dtype: Optional[torch.dtype] = None,
     classifier_row_sum: Optional[torch.Tensor] = None,
 ) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
@@ -79,8 +79,7 @@ def linear_cross_entropy_backward(
     needs ``filter_eps`` and no softcap); ``rank_one``: the rank-one term of the logits'
     gradient (label smoothing, :mod:`cce.weighting`), or None; ``keep_tiles``: when both
     gradients are needed and the host may wait, run the one-pass backward with its tiles in a
-    buffer of their own even where they do not fit in dC; ``deterministic``: pass 1's chunks
-    do not follow the live tiles (:func:`_live_tiles_in_slots`). When ``c`` is one shard of the
+    buffer of their own even where they do not fit in dC. When ``c`` is one shard of the
     vocabulary (:mod:`cce.vocab_parallel`), ``lse`` is the whole vocabulary's and
     ``shard_mass`` (float32 (N,)) each row's softmax mass in the shard, which the correction
     needs. ``grad_e_dtype``:
@@ -128,7 +127,7 @@ def linear_cross_entropy_backward(
                                              block_out, e.dtype, e.device)
         slots = None
         if _live_tiles_in_slots(live_tiles, whole_rows_chunk, num_token_blocks,
-                                grid.block_tokens, deterministic):
+                                grid.block_tokens):
             live_rows = TileLists.of(live_tiles)
             read_tiles_per_row = start_host_copy(live_rows.counts)
             slots = _slot_map(live_rows)
@@ -407,17 +406,17 @@ def _embeddings_pass_scratch(grad_c: Optional[torch.Tensor], e: torch.Tensor,
 
 
 def _live_tiles_in_slots(live_tiles: Optional[torch.Tensor], whole_rows_chunk: int,
-                         num_token_blocks: int, block_tokens: int, deterministic: bool) -> bool:
+                         num_token_blocks: int, block_tokens: int) -> bool:
     """Whether pass 1 stores only the live tiles, each in a slot, rather than whole rows of the
     grid (``whole_rows_chunk`` token blocks per chunk). Each chunk's recompute and dE product
     read all of c, so whole rows at small D (dC holds about D tokens of them) take many chunks
     that wait on memory; slots let a chunk hold about 1 / (live fraction) times more. Slots
     cost the dE product its whole-block loop, more than they save where whole rows already
     hold many tokens (:func:`cce.config.slot_chunk_tokens`). The host reads the rows' live
-    counts, so not where it must not wait. (Nor in deterministic mode: the live tiles depend on
-    when the forward's programs read the merged LSE, and slot chunks on the live tiles, so the
-    product's splits, and the order of its float32 sums, would too.)"""
-    return (not deterministic and live_tiles is not None and whole_rows_chunk < num_token_blocks
+    counts, so not where it must not wait. Slot chunks follow the live tiles, and with them the
+    product's splits and the order of its float32 sums: in deterministic mode the live tiles
+    are a function of the inputs (:func:`cce.lse_forward.lse_forward`)."""
+    return (live_tiles is not None and whole_rows_chunk < num_token_blocks
             and whole_rows_chunk * block_tokens < slot_chunk_tokens()
             and host_may_sync(live_tiles.device))
 

@@ -188,15 +188,14 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
                   grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
                   softcap: Optional[float], filter_eps: Optional[float],
                   filter_correction: bool, label_smoothing: float, keep_tiles: bool,
-                  deterministic: bool, needs_grad_e: bool, needs_grad_c: bool,
+                  needs_grad_e: bool, needs_grad_c: bool,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` (a None gradient counts as
     0), each empty when not needed (dC and dbias both come with ``needs_grad_c``). ``order``,
     ``tile_bound``, ``curvature_sum`` and ``classifier_row_sum``: from :func:`loss_forward`.
     ``filter_correction``: with filtering and no softcap, dE gets back what the filter dropped
     (:mod:`cce.sparse_tile_matmul`).
-    ``keep_tiles``: recompute each live tile once, into memory of its own;
-    ``deterministic``: chunks that do not depend on the live tiles
+    ``keep_tiles``: recompute each live tile once, into memory of its own
     (:func:`cce.backward.linear_cross_entropy_backward`)."""
     order = order if order.numel() else None
     curvature_sum = curvature_sum if curvature_sum.numel() else None
@@ -225,8 +224,7 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         e, c, positions, bias, softcap, lse, prob_scale, target_scale, order, live, filter_eps,
         needs_grad_e=needs_grad_e, needs_grad_c=needs_grad_c,
         mass_correction=uses_mass_correction(filter_correction, filter_eps, softcap),
-        rank_one=rank_one, keep_tiles=keep_tiles, deterministic=deterministic,
-        classifier_row_sum=classifier_row_sum)
+        rank_one=rank_one, keep_tiles=keep_tiles, classifier_row_sum=classifier_row_sum)
     return (_or_empty(grad_e, e.dtype, e.device), _or_empty(grad_c, c.dtype, c.device),
             _or_empty(grad_bias, c.dtype, c.device))
 
@@ -254,8 +252,8 @@ def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
 @loss_backward.register_fake
 def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum,
                         classifier_row_sum, grad_loss, grad_lse, softcap, filter_eps,
-                        filter_correction, label_smoothing, keep_tiles, deterministic,
-                        needs_grad_e, needs_grad_c):
+                        filter_correction, label_smoothing, keep_tiles, needs_grad_e,
+                        needs_grad_c):
     return (e.new_empty(e.shape if needs_grad_e else (0,)),
             c.new_empty(c.shape if needs_grad_c else (0,)),
             c.new_empty(bias.shape if needs_grad_c and bias is not None else (0,)))
@@ -265,15 +263,14 @@ def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, cur
 
 
 def _loss_forward_setup_context(ctx, inputs, output) -> None:
-    (e, c, bias, targets, weight, softcap, filter_eps, _, filter_correction, label_smoothing,
-     deterministic, keep_tiles, _, _) = inputs
+    (e, c, bias, targets, weight, softcap, filter_eps, _, filter_correction, label_smoothing, _,
+     keep_tiles, _, _) = inputs
     _, lse, order, tile_bound, curvature_sum, row_sum = output
     ctx.mark_non_differentiable(order, tile_bound, curvature_sum, row_sum)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum,
                           row_sum)
-    ctx.options = (softcap, filter_eps, filter_correction, label_smoothing, keep_tiles,
-                   deterministic)
+    ctx.options = (softcap, filter_eps, filter_correction, label_smoothing, keep_tiles)
 
 
 def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],

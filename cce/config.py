@@ -106,6 +106,10 @@ _FORWARD_PROGRAMS_PER_SM = 8
 # many tokens: the copy costs about as much as it saves at 2048 on an H200
 # (cce.lse_forward.classifier_by_position).
 _COPY_CLASSIFIER_MIN_TOKENS = 4096
+# Deterministic mode's bounds read the LSE of the head of the vocabulary order, computed first in
+# a launch of its own, instead of other programs' merges: this many forward tiles (2048
+# positions), which hold most of the mass (results/dev/cpu_deterministic_bounds.json).
+_DETERMINISTIC_HEAD_BLOCKS = 8
 # A forward program's tile bounds rest on the LSE of its own earlier tiles (and on what others
 # have merged, which on a small problem is nothing yet): fewer tiles per program, looser bounds.
 _MIN_BLOCKS_PER_RECORDING_PROGRAM = 8
@@ -157,6 +161,12 @@ def copy_classifier_min_tokens() -> int:
     """From how many tokens the forward reads a sorted copy of c (any number in the interpreter,
     so that the tests run that path)."""
     return 0 if interpreting() else _COPY_CLASSIFIER_MIN_TOKENS
+
+
+def deterministic_head_blocks(num_vocab_blocks: int) -> int:
+    """Forward tiles of the head launch in deterministic mode (one in the interpreter, so that
+    the tests' small vocabularies run both launches)."""
+    return min(1 if interpreting() else _DETERMINISTIC_HEAD_BLOCKS, num_vocab_blocks)
 
 
 def forward_vocab_splits(num_token_blocks: int, num_vocab_blocks: int, device: torch.device,

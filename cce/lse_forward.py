@@ -14,7 +14,9 @@ logit, the LSE of the program's tiles so far, and whatever other programs have m
 Being per row, it stays tight when the LSE differs between the rows of a tile, as on real data.
 Tiles follow ``vocab_order`` when given (vocabulary sorting), so that the forward's and the
 backward's tiles are the same, and the head of the vocabulary, which holds most of the mass, is
-merged first.
+merged first. In deterministic mode the bounds must not depend on when other programs merged:
+a first launch covers only the head of the order, and every later program reads the head's LSE
+instead of the merged one, so that the bounds, like the results, are a function of the inputs.
 
 On Hopper GPUs the tiles' operands come by tensor descriptor, one bulk copy (TMA) per operand
 and D slice instead of one address per row: rows of ``e``, and rows of ``c`` in position order,
@@ -26,7 +28,7 @@ of their squared tanh, merged under the same lock as the LSE (:mod:`cce.weightin
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -37,8 +39,8 @@ try:
 except ImportError:  # a Triton without host-side descriptors: rows are gathered instead
     TensorDescriptor = None
 
-from cce.config import (copy_classifier_min_tokens, dot_precision, forward_vocab_splits,
-                        interpreting, kernel_configs, tma_copies_rows)
+from cce.config import (copy_classifier_min_tokens, deterministic_head_blocks, dot_precision,
+                        forward_vocab_splits, interpreting, kernel_configs, tma_copies_rows)
 from cce.logit_tile import (LOG2_E, finish_logits, holds_padding, logit_tile,
                             tile_product_by_descriptor, vocab_block_entries)
 
@@ -66,10 +68,10 @@ def log_probability_bound(row_max, lse_lower, recorded_rows):
 @triton.jit
 def lse_forward_kernel(
     e_ptr, c_ptr, e_desc, c_desc, bias_ptr, targets_ptr, target_logit_ptr, vocab_order_ptr,
-    lse_ptr, locks_ptr, tile_bound_ptr, split_lse_ptr, class_weight_ptr, logit_sum_ptr,
-    curvature_sum_ptr,
-    num_tokens, vocab_size, dim, vocab_blocks_per_program,
-    stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
+    lse_ptr, locks_ptr, tile_bound_ptr, split_lse_ptr, head_lse_ptr, class_weight_ptr,
+    logit_sum_ptr, curvature_sum_ptr,
+    num_tokens, vocab_size, dim, first_launch_block, last_launch_block, vocab_blocks_per_program,
+    first_split, num_splits, stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
     RECORD_TILE_BOUND: tl.constexpr, LOGIT_SUM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     CURVATURE_SUM: tl.constexpr, LIVE_BLOCK_VOCAB: tl.constexpr, DETERMINISTIC: tl.constexpr,
@@ -80,12 +82,13 @@ def lse_forward_kernel(
     # Token blocks vary fastest: the programs in flight walk the same slice of c at about the
     # same time (read once from memory), while the much smaller e stays in L2.
     num_token_blocks = tl.cdiv(num_tokens, BLOCK_TOKENS)
-    num_vocab_blocks = tl.cdiv(vocab_size, BLOCK_VOCAB)
     num_live_vocab_blocks = tl.cdiv(vocab_size, LIVE_BLOCK_VOCAB)
     RECORDS_PER_TILE: tl.constexpr = BLOCK_VOCAB // LIVE_BLOCK_VOCAB
     token_block = tl.program_id(0) % num_token_blocks
-    first_vocab_block = (tl.program_id(0) // num_token_blocks) * vocab_blocks_per_program
-    last_vocab_block = tl.minimum(first_vocab_block + vocab_blocks_per_program, num_vocab_blocks)
+    split = first_split + tl.program_id(0) // num_token_blocks  # this call's, over all launches
+    first_vocab_block = (first_launch_block
+                         + (tl.program_id(0) // num_token_blocks) * vocab_blocks_per_program)
+    last_vocab_block = tl.minimum(first_vocab_block + vocab_blocks_per_program, last_launch_block)
 
     rows = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     row_mask = rows < num_tokens
@@ -93,7 +96,13 @@ def lse_forward_kernel(
         # Ignored tokens get no loss gradient: leaving them out tightens the backward's bound.
         targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
         recorded_rows = targets >= 0
-        target_logit = tl.load(target_logit_ptr + rows, mask=recorded_rows, other=float("-inf"))
+        # Lower bounds of the final LSE known before the first tile: the target's logit and,
+        # in deterministic mode, the LSE of the head of the order (an earlier launch's; -inf
+        # in the head's own).
+        known_lower = tl.load(target_logit_ptr + rows, mask=recorded_rows, other=float("-inf"))
+        if DETERMINISTIC:
+            known_lower = tl.maximum(known_lower, tl.load(head_lse_ptr + rows, mask=row_mask,
+                                                          other=float("-inf")))
     running_max = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
@@ -155,13 +164,15 @@ def lse_forward_kernel(
                        + tl.sum(tl.exp2(logits * LOG2_E - scaled_max[:, None]), axis=1))
         running_max = new_max
         if RECORD_TILE_BOUND:
-            # Every lower bound of the final LSE known now: merges only ever raise the merged
-            # value, so a read without the lock is a bound too (volatile: read again for every
-            # tile, never from a stale L1 line, to see the merges made meanwhile).
-            merged_lse = tl.load(lse_ptr + rows, mask=row_mask, other=float("-inf"),
-                                 volatile=True)
-            lse_lower = tl.maximum(tl.maximum(target_logit, merged_lse),
-                                   safe_max + tl.log(running_sum))
+            # A lower bound of the final LSE: what was known before the loop, this program's
+            # tiles so far and, by default, what other programs have merged (merges only ever
+            # raise it, so a read without the lock is a bound too; volatile: read again for
+            # every tile, never from a stale L1 line). Deterministic mode reads no merge: its
+            # bounds must not depend on the schedule.
+            lse_lower = tl.maximum(known_lower, safe_max + tl.log(running_sum))
+            if not DETERMINISTIC:
+                lse_lower = tl.maximum(lse_lower, tl.load(lse_ptr + rows, mask=row_mask,
+                                                          other=float("-inf"), volatile=True))
             # From row maxima: a maximum per column would cost a reduction across warps.
             record = token_block * num_live_vocab_blocks + vocab_block * RECORDS_PER_TILE
             tl.store(tile_bound_ptr + record,
@@ -177,23 +188,31 @@ def lse_forward_kernel(
 
     if DETERMINISTIC:
         # The returned LSE (and sums): each program's partial, merged in a fixed order
-        # afterwards. The locked merge below then only serves the bounds of running programs.
-        split = tl.program_id(0) // num_token_blocks
+        # afterwards, with no lock.
         tl.store(split_lse_ptr + split * num_tokens + rows, program_lse, mask=row_mask)
         if LOGIT_SUM:
-            num_splits = tl.cdiv(num_vocab_blocks, vocab_blocks_per_program)
             tl.store(split_lse_ptr + (num_splits + split) * num_tokens + rows, logit_sum,
                      mask=row_mask)
             if CURVATURE_SUM:
                 tl.store(split_lse_ptr + (2 * num_splits + split) * num_tokens + rows,
                          curvature_sum, mask=row_mask)
-    lock = locks_ptr + token_block
+    else:
+        _merge_under_lock(locks_ptr + token_block, lse_ptr, logit_sum_ptr, curvature_sum_ptr,
+                          rows, row_mask, program_lse, logit_sum, curvature_sum, LOGIT_SUM,
+                          CURVATURE_SUM)
+
+
+@triton.jit
+def _merge_under_lock(lock, lse_ptr, logit_sum_ptr, curvature_sum_ptr, rows, row_mask,
+                      program_lse, logit_sum, curvature_sum, LOGIT_SUM: tl.constexpr,
+                      CURVATURE_SUM: tl.constexpr):
+    """Adds a program's partial LSE (and sums) into the token block's, under its spin lock."""
     while tl.atomic_cas(lock, 0, 1) == 1:
         pass
     # .cg: read the merged value from L2, never a stale L1 line of another program's update.
     current = tl.load(lse_ptr + rows, mask=row_mask, cache_modifier=".cg")
     tl.store(lse_ptr + rows, log_add_exp(current, program_lse), mask=row_mask)
-    if LOGIT_SUM and not DETERMINISTIC:
+    if LOGIT_SUM:
         merged_sum = tl.load(logit_sum_ptr + rows, mask=row_mask, cache_modifier=".cg")
         tl.store(logit_sum_ptr + rows, merged_sum + logit_sum, mask=row_mask)
         if CURVATURE_SUM:
@@ -233,6 +252,19 @@ def _descriptor_ready(x: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and tma_copies_rows(x))
 
 
+class _Launch(NamedTuple):
+    """One launch of the forward kernel: forward tiles [first_block, last_block) of the order,
+    each token block's shared by programs of ``blocks_per_program`` tiles."""
+
+    first_block: int
+    last_block: int
+    blocks_per_program: int
+
+    @property
+    def splits(self) -> int:
+        return triton.cdiv(self.last_block - self.first_block, self.blocks_per_program)
+
+
 def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 softcap: Optional[float], targets: torch.Tensor,
                 vocab_order: Optional[torch.Tensor],
@@ -254,9 +286,10 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
 
     ``deterministic``: the spin-lock merge's order varies between calls, and with it the LSE's
     last bits; instead, the returned LSE merges every program's partial LSE in a fixed order
-    afterwards (bitwise reproducible on one device, one more small launch). The bounds still
-    read the locked merge: they only decide which tiles the backward recomputes before its
-    exact filter, never the result (:func:`cce.live_tiles.live_tiles`).
+    afterwards (bitwise reproducible on one device, a few more small launches). The bounds, which
+    decide which tiles the backward recomputes (:func:`cce.live_tiles.live_tiles`), do not read
+    other programs' merges then: the head of the order runs first, in a launch of its own
+    (``config.deterministic_head_blocks``), and its LSE bounds every later program's rows.
 
     ``may_copy_classifier``: the caller allows a sorted copy of ``c`` for the call's duration
     (where the backward takes as much memory anyway; see :func:`classifier_by_position`)."""
@@ -267,14 +300,22 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     num_token_blocks = triton.cdiv(num_tokens, config.block_tokens)
     num_vocab_blocks = triton.cdiv(vocab_size, config.block_vocab)
     record = target_logit is not None
-    splits = forward_vocab_splits(num_token_blocks, num_vocab_blocks, e.device, record)
-    vocab_blocks_per_program = triton.cdiv(num_vocab_blocks, splits)
-    splits = triton.cdiv(num_vocab_blocks, vocab_blocks_per_program)
+    head = deterministic_head_blocks(num_vocab_blocks) if deterministic and record else 0
+    # The head's programs run first, one per tile: spread over the GPU even at small N.
+    launches = [_Launch(0, head, 1)] if head else []
+    if head < num_vocab_blocks:
+        splits = forward_vocab_splits(num_token_blocks, num_vocab_blocks - head, e.device,
+                                      record)
+        launches.append(_Launch(head, num_vocab_blocks,
+                                triton.cdiv(num_vocab_blocks - head, splits)))
+    num_splits = sum(launch.splits for launch in launches)
 
-    lse = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=e.device)
-    locks = torch.zeros(num_token_blocks, dtype=torch.int32, device=e.device)
+    lse = locks = None
+    if not deterministic:
+        lse = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=e.device)
+        locks = torch.zeros(num_token_blocks, dtype=torch.int32, device=e.device)
     sums = [total for total in (logit_sum, curvature_sum) if total is not None]
-    split_lse = (torch.empty((1 + len(sums), splits, num_tokens), dtype=torch.float32,
+    split_lse = (torch.empty((1 + len(sums), num_splits, num_tokens), dtype=torch.float32,
                              device=e.device) if deterministic else None)
     tile_bound = (torch.empty((num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab)),
                               dtype=torch.float32, device=e.device) if record else None)
@@ -284,20 +325,27 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         e_desc = TensorDescriptor.from_tensor(e, [config.block_tokens, config.block_dim])
         c_desc = TensorDescriptor.from_tensor(c_by_position,
                                               [config.block_vocab, config.block_dim])
-    lse_forward_kernel[(num_token_blocks * splits,)](
-        e, c, e_desc, c_desc, bias, targets, target_logit, vocab_order, lse, locks, tile_bound,
-        split_lse, class_weight, logit_sum, curvature_sum, num_tokens, vocab_size, dim,
-        vocab_blocks_per_program,
-        e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        SORTED=vocab_order is not None, RECORD_TILE_BOUND=record,
-        LOGIT_SUM=logit_sum is not None, HAS_CLASS_WEIGHT=class_weight is not None,
-        CURVATURE_SUM=curvature_sum is not None, LIVE_BLOCK_VOCAB=live_grid.block_vocab,
-        DETERMINISTIC=deterministic, BY_DESCRIPTOR=c_by_position is not None,
-        BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
-        BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    head_lse = torch.full_like(target_logit, float("-inf")) if head else None
+    first_split = 0
+    for launch in launches:
+        if first_split:
+            torch.logsumexp(split_lse[0, :first_split], dim=0, out=head_lse)
+        lse_forward_kernel[(num_token_blocks * launch.splits,)](
+            e, c, e_desc, c_desc, bias, targets, target_logit, vocab_order, lse, locks,
+            tile_bound, split_lse, head_lse, class_weight, logit_sum, curvature_sum, num_tokens,
+            vocab_size, dim, launch.first_block, launch.last_block, launch.blocks_per_program,
+            first_split, num_splits,
+            e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+            SORTED=vocab_order is not None, RECORD_TILE_BOUND=record,
+            LOGIT_SUM=logit_sum is not None, HAS_CLASS_WEIGHT=class_weight is not None,
+            CURVATURE_SUM=curvature_sum is not None, LIVE_BLOCK_VOCAB=live_grid.block_vocab,
+            DETERMINISTIC=deterministic, BY_DESCRIPTOR=c_by_position is not None,
+            BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
+            BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        first_split += launch.splits
     if deterministic:
         lse = torch.logsumexp(split_lse[0], dim=0)
         for index, total in enumerate(sums, 1):

@@ -98,9 +98,9 @@ def test_pass_one_stores_only_live_tiles_in_slots(deterministic: bool, device: s
     """Where chunks of whole rows of the grid would hold few tokens (small D: here 3 token
     blocks) and the forward's bounds leave tiles dead, pass 1 gives each live tile a slot of
     dC's memory instead, so that a chunk holds more token blocks than whole rows would; the
-    gradients still match the reference. Not in deterministic mode, whose chunks must not
-    follow the live tiles (they depend on the forward's schedule). (bf16: float32's default
-    filter threshold keeps nearly every tile live.)"""
+    gradients still match the reference, in deterministic mode too (its live tiles do not
+    depend on the forward's schedule). (bf16: float32's default filter threshold keeps nearly
+    every tile live.)"""
     embeddings_chunks = _spy(monkeypatch, "gradient_times_embeddings")
     grid = kernel_configs(torch.bfloat16).live_grid
     vocab = _shape(torch.bfloat16)[0]
@@ -114,10 +114,9 @@ def test_pass_one_stores_only_live_tiles_in_slots(deterministic: bool, device: s
     check("cce", inputs, gen, "mean", deterministic=deterministic)
     whole_rows_per_chunk = vocab * (dim // grid.block_vocab) // row_segments
     token_blocks = [args[5] for args in embeddings_chunks]
-    assert all((args[9] is None) == deterministic for args in embeddings_chunks)  # slot map
+    assert all(args[9] is not None for args in embeddings_chunks)  # slot map
     assert [block for chunk in token_blocks for block in chunk] == list(range(8))
-    longest = max(len(chunk) for chunk in token_blocks)
-    assert longest <= whole_rows_per_chunk if deterministic else longest > whole_rows_per_chunk
+    assert max(len(chunk) for chunk in token_blocks) > whole_rows_per_chunk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -401,7 +400,7 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
         listed.clear()
         _, gradient, _ = loss_backward(e, c, None, targets, None, lse, order, tile_bound + 4.0,
                                        curvature_sum, row_sum, grad_loss, None, None, 2.0**-12,
-                                       True, 0.0, False, False, needs_grad_e=with_grad_e,
+                                       True, 0.0, False, needs_grad_e=with_grad_e,
                                        needs_grad_c=True)
         return gradient, sum(int(args[2].counts.sum()) for args in listed)  # tile_lists
 
@@ -440,7 +439,7 @@ def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
     def grad_c() -> torch.Tensor:
         _, gradient, _ = loss_backward(e, c, None, targets, None, lse, order, tile_bound,
                                        curvature_sum, row_sum, grad_loss, None, None, 2.0**-12,
-                                       True, 0.0, False, False, needs_grad_e=True,
+                                       True, 0.0, False, needs_grad_e=True,
                                        needs_grad_c=True)
         return gradient
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from cce.config import kernel_configs
+from cce.config import deterministic_head_blocks, kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.live_tiles import live_tiles
@@ -51,9 +51,10 @@ def _per_tile_max(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _forward_with_bounds(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                         order: "torch.Tensor | None" = None):
+                         order: "torch.Tensor | None" = None, deterministic: bool = False):
     """(lse, tile_bound) as the loss's forward computes them (target logits first)."""
-    return lse_forward(e, c, None, None, targets, order, indexed_dot(e, c, targets, None, None))
+    return lse_forward(e, c, None, None, targets, order, indexed_dot(e, c, targets, None, None),
+                       deterministic=deterministic)
 
 
 def _bound_envelope(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
@@ -73,7 +74,8 @@ def _bound_envelope(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     return _per_tile_max(log_probs, e.dtype), _per_tile_max(above_target, e.dtype)
 
 
-def test_forward_records_sound_log_probability_bounds(gen: torch.Generator,
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_forward_records_sound_log_probability_bounds(deterministic: bool, gen: torch.Generator,
                                                       device: str) -> None:
     """tile_bound[i, j] bounds the log-probability of every entry of tile (i, j) of the live
     grid on a non-ignored row (vocabulary sorted), is never above 0, and is at least as tight
@@ -81,7 +83,7 @@ def test_forward_records_sound_log_probability_bounds(gen: torch.Generator,
     holds it)."""
     e, c, targets = peaked_inputs(gen, device, N, V, D)
     order = vocab_order(e, c, None, targets)
-    lse, tile_bound = _forward_with_bounds(e, c, targets, order)
+    lse, tile_bound = _forward_with_bounds(e, c, targets, order, deterministic)
     exact_lse = torch.logsumexp(e.double() @ c.double().T, dim=1)
     torch.testing.assert_close(lse.double(), exact_lse, rtol=1e-6, atol=1e-6)
 
@@ -109,6 +111,52 @@ def test_tile_bounds_ignore_each_rows_logit_offset(gen: torch.Generator, device:
         assert bool((bound >= lowest - 1e-3).all())
         assert bool((bound <= highest.clamp(max=0.0) + 1e-3).all())
         assert bool((tile_bound < math.log(EPS)).any()), "the test needs tiles proven dead"
+
+
+def test_deterministic_bounds_rest_on_the_head_of_the_order(gen: torch.Generator,
+                                                           device: str) -> None:
+    """In deterministic mode no program reads what others have merged, which would make the
+    bounds depend on the schedule: the head of the order runs first, and the bound of every
+    later tile is at least as tight as the head's LSE makes it."""
+    e, c, targets = peaked_inputs(gen, device, N, V, D)
+    order = vocab_order(e, c, None, targets)
+    _, tile_bound = _forward_with_bounds(e, c, targets, order, deterministic=True)
+    configs = kernel_configs(e.dtype)
+    head = (deterministic_head_blocks(-(-V // configs.lse_forward.block_vocab))
+            * configs.lse_forward.block_vocab)
+    logits = e.double() @ c.double()[order.long()].T
+    above_head = logits - torch.logsumexp(logits[:, :head], dim=1, keepdim=True)
+    head_made = _per_tile_max(above_head.masked_fill((targets < 0)[:, None], -math.inf), e.dtype)
+    lowest, highest = _bound_envelope(e, c, targets, order)
+    later = head // configs.live_grid.block_vocab
+    bound = tile_bound.double()
+    assert 0 < later < bound.shape[1]
+    assert bool((bound >= lowest - 1e-5).all())
+    assert bool((bound[:, later:] <= head_made[:, later:] + 1e-4).all())
+    assert bool((bound[:, later:] < highest[:, later:] - 1e-2).any()), "the head tightens none"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_deterministic_bounds_do_not_depend_on_the_schedule(gen: torch.Generator) -> None:
+    """With other work on the GPU the forward's programs run in another order; the default's
+    bounds read what others have merged so far, deterministic mode's do not, so they and the
+    backward's plan from them stay the same."""
+    n, v, d = 8192, 64000, 1024
+    e = (3 * torch.randn(n, d, generator=gen)).to("cuda", torch.bfloat16)
+    c = (torch.randn(v, d, generator=gen) / d**0.5).to("cuda", torch.bfloat16)
+    targets = torch.randint(0, v, (n,), generator=gen).cuda()
+    order = vocab_order(e, c, None, targets)
+    expected = _forward_with_bounds(e, c, targets, order, deterministic=True)[1]
+    load = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for _ in range(5):
+        with torch.cuda.stream(side):
+            for _ in range(4):
+                load @ load
+        tile_bound = _forward_with_bounds(e, c, targets, order, deterministic=True)[1]
+        assert torch.equal(tile_bound, expected)
+    torch.cuda.synchronize()
 
 
 def test_each_live_grid_tile_gets_its_own_bound(gen: torch.Generator, device: str) -> None:

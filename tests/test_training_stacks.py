@@ -136,7 +136,7 @@ def test_ops_pass_torch_library_opcheck(filter_eps, softcap, smoothing, device: 
     grad_loss = make_grad_output(gen, inputs, "none")
     backward_args = (inputs.e, inputs.c, inputs.bias, targets, None, lse.detach(), order,
                      tile_bound, curvature_sum, row_sum, grad_loss, torch.zeros_like(grad_loss),
-                     softcap, filter_eps, True, smoothing, False, False, True, True)
+                     softcap, filter_eps, True, smoothing, False, True, True)
     torch.library.opcheck(loss_backward, backward_args, **TOLERANCES)
 
 
