@@ -11,6 +11,7 @@ must match the float64 reference whatever the path.
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 from typing import Callable, Optional
 
@@ -54,13 +55,18 @@ def two_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cce.backward, "_one_pass_chunks", lambda *args: None)
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch, name: str, module: ModuleType = cce.backward) -> list:
-    """Record the calls of ``<module>.<name>`` (still calling it)."""
+def _spy(monkeypatch: pytest.MonkeyPatch, name: str, module: ModuleType = cce.backward
+         ) -> "list[dict]":
+    """Record the calls of ``<module>.<name>`` (still calling it), each as its arguments by
+    parameter name, defaults included."""
     calls = []
     original = getattr(module, name)
+    signature = inspect.signature(original)
 
     def spy(*args, **kwargs):
-        calls.append(args)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append(bound.arguments)
         return original(*args, **kwargs)
 
     monkeypatch.setattr(module, name, spy)
@@ -84,9 +90,9 @@ def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional
     inputs = make_inputs(gen, device, dtype, shape=(N,), vocab=vocab, dim=dim, bias=True,
                          softcap=20.0)
     check("cce", inputs, gen, "mean", filter_eps=filter_eps, vocab_sorting=vocab_sorting)
-    in_spare = [scratch.segments_per_page == 1 for scratch, *_ in classifier_chunks]
+    in_spare = [call["scratch"].segments_per_page == 1 for call in classifier_chunks]
     assert len(embeddings_chunks) >= 2
-    assert all(args[9] is None for args in embeddings_chunks)  # no slot map
+    assert all(call["slot_map"] is None for call in embeddings_chunks)
     assert in_spare.count(False) >= 2 and in_spare[-1]
     assert in_spare == sorted(in_spare)  # free rows first, then the spare buffer
 
@@ -113,8 +119,8 @@ def test_pass_one_stores_only_live_tiles_in_slots(deterministic: bool, device: s
     inputs = Inputs(e.bfloat16(), c.bfloat16(), targets, options={"ignore_index": -1})
     check("cce", inputs, gen, "mean", deterministic=deterministic)
     whole_rows_per_chunk = vocab * (dim // grid.block_vocab) // row_segments
-    token_blocks = [args[5] for args in embeddings_chunks]
-    assert all(args[9] is not None for args in embeddings_chunks)  # slot map
+    token_blocks = [call["token_blocks"] for call in embeddings_chunks]
+    assert all(call["slot_map"] is not None for call in embeddings_chunks)
     assert [block for chunk in token_blocks for block in chunk] == list(range(8))
     assert max(len(chunk) for chunk in token_blocks) > whole_rows_per_chunk
 
@@ -233,7 +239,7 @@ def test_one_pass_matches_reference(dtype: torch.dtype, filter_eps: Optional[str
     inputs = make_inputs(gen, device, dtype, shape=(2 * grid.block_tokens - 7,), vocab=vocab,
                          dim=4 * grid.block_vocab, bias=True, softcap=20.0)
     check("cce", inputs, gen, "mean", filter_eps=filter_eps, vocab_sorting=vocab_sorting)
-    in_spare = [scratch.segments_per_page == 1 for scratch, *_ in classifier_chunks]
+    in_spare = [call["scratch"].segments_per_page == 1 for call in classifier_chunks]
     assert len(one_pass) == 1 and len(embeddings_products) == 1
     assert in_spare.count(False) >= 1 and in_spare[-1]
     assert in_spare == sorted(in_spare)  # dC's rows first, then the spare buffer
@@ -402,7 +408,7 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
                                        curvature_sum, row_sum, grad_loss, None, None, 2.0**-12,
                                        True, 0.0, False, needs_grad_e=with_grad_e,
                                        needs_grad_c=True)
-        return gradient, sum(int(args[2].counts.sum()) for args in listed)  # tile_lists
+        return gradient, sum(int(call["tile_lists"].counts.sum()) for call in listed)
 
     beside, stored_beside = grad_c(with_grad_e=True)
     alone, listed_alone = grad_c(with_grad_e=False)
