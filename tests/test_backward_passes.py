@@ -73,9 +73,14 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str, module: ModuleType = cce.ba
     return calls
 
 
-@pytest.mark.parametrize("vocab_sorting", [True, False], ids=["sorted", "unsorted"])
-@pytest.mark.parametrize("filter_eps", ["auto", None], ids=["filter", "nofilter"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# float32 without a filter stores every tile, as bfloat16 does: left out for CI's time.
+@pytest.mark.parametrize("dtype, filter_eps, vocab_sorting", [
+    pytest.param(torch.float32, "auto", True, id="fp32-filter-sorted"),
+    pytest.param(torch.float32, "auto", False, id="fp32-filter-unsorted"),
+    pytest.param(torch.bfloat16, "auto", True, id="bf16-filter-sorted"),
+    pytest.param(torch.bfloat16, "auto", False, id="bf16-filter-unsorted"),
+    pytest.param(torch.bfloat16, None, True, id="bf16-nofilter-sorted"),
+    pytest.param(torch.bfloat16, None, False, id="bf16-nofilter-unsorted")])
 def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional[str],
                                         vocab_sorting: bool, device: str,
                                         gen: torch.Generator, two_passes: None,
@@ -146,9 +151,13 @@ def test_split_embeddings_product_matches_reference(dtype: torch.dtype, device: 
     assert sums and set(sums) == {3}
 
 
-@pytest.mark.parametrize("dim_in_widths", [4, 2.5], ids=["whole", "half-width"])
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1], ids=["plain", "smoothed"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# The paths follow the blocks' shapes, not the dtype: one float32 case, for CI's time.
+@pytest.mark.parametrize("dtype, label_smoothing, dim_in_widths", [
+    pytest.param(torch.float32, 0.0, 4, id="fp32-plain-whole"),
+    pytest.param(torch.bfloat16, 0.0, 4, id="bf16-plain-whole"),
+    pytest.param(torch.bfloat16, 0.1, 4, id="bf16-smoothed-whole"),
+    pytest.param(torch.bfloat16, 0.0, 2.5, id="bf16-plain-half-width"),
+    pytest.param(torch.bfloat16, 0.1, 2.5, id="bf16-smoothed-half-width")])
 def test_whole_blocks_match_reference(dtype: torch.dtype, label_smoothing: float,
                                       dim_in_widths: float, device: str, gen: torch.Generator,
                                       two_passes: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -301,7 +310,8 @@ def test_backward_is_deterministic(device: str, gen: torch.Generator) -> None:
     point), so two backward passes of one forward give bit-identical gradients. (The forward's
     LSE merges under a lock in arrival order, so two forwards may differ in the last bit.)"""
     vocab, dim = _shape(torch.bfloat16)
-    inputs = make_inputs(gen, device, torch.bfloat16, shape=(N,), vocab=vocab, dim=dim)
+    tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7
+    inputs = make_inputs(gen, device, torch.bfloat16, shape=(tokens,), vocab=vocab, dim=dim)
     e = inputs.e.detach().requires_grad_()
     c = inputs.c.detach().requires_grad_()
     loss = cce.linear_cross_entropy(e, c, inputs.targets)
