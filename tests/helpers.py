@@ -21,6 +21,10 @@ N, V, D = 37, 1000, 72
 LOGIT_SCALE = 3.0
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPE_IDS = ("fp32", "fp16", "bf16")
+# For tests that feed NaN or infinite values on purpose: Triton's interpreter (numpy) warns on
+# the inf - inf and log(0) that a GPU computes silently.
+INTERPRETER_NON_FINITE_WARNINGS = pytest.mark.filterwarnings(
+    "ignore::RuntimeWarning:triton.runtime.interpreter")
 
 
 @dataclass

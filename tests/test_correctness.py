@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 import cce
-from tests.helpers import (D, DTYPE_IDS, DTYPES, N, V, Inputs, assert_matches, check,
-                           make_grad_output, make_inputs, run, run_reference, tolerances)
+from tests.helpers import (D, DTYPE_IDS, DTYPES, INTERPRETER_NON_FINITE_WARNINGS, N, V, Inputs,
+                           assert_matches, check, make_grad_output, make_inputs, run,
+                           run_reference, tolerances)
 from tests.reference import Result, reference, relative_error
 
 IMPLS = ("cce", "torch", "chunked")
@@ -363,9 +364,7 @@ def _same_non_finite(x: torch.Tensor, expected: torch.Tensor) -> bool:
                for test in (torch.isnan, torch.isposinf, torch.isneginf))
 
 
-# Non-finite inputs make Triton's interpreter (numpy) warn where a GPU computes the same
-# inf - inf or log(0) silently.
-@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+@INTERPRETER_NON_FINITE_WARNINGS
 @pytest.mark.parametrize("dtype, bad_value",
                          [(torch.float32, math.nan), (torch.bfloat16, math.inf),
                           (torch.float32, -math.inf)],
@@ -398,9 +397,7 @@ def test_non_finite_rows_propagate_like_pytorch(impl: str, dtype: torch.dtype,
     assert relative_error(result.grad_e[~bad], ref.grad_e) <= grad_tol
 
 
-# Non-finite inputs make Triton's interpreter (numpy) warn where a GPU computes the same
-# inf - inf or log(0) silently.
-@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+@INTERPRETER_NON_FINITE_WARNINGS
 @pytest.mark.parametrize("impl", OPTION_IMPLS)
 def test_non_finite_ignored_row_propagates_like_pytorch(impl: str, device: str,
                                                         gen: torch.Generator) -> None:

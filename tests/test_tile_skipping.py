@@ -18,7 +18,7 @@ from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.live_tiles import live_tiles
 from cce.vocab_order import target_positions, vocab_order
-from tests.helpers import peaked_inputs
+from tests.helpers import INTERPRETER_NON_FINITE_WARNINGS, peaked_inputs
 
 N, V, D = 45, 1500, 40  # not multiples of any block size
 EPS = 2.0**-12
@@ -202,9 +202,7 @@ def test_live_tiles_are_sound_and_skip_something(gen: torch.Generator, device: s
     assert bool((live == 0).any()), "no tile was dead: the test data is not peaked enough"
 
 
-# An infinite LSE makes Triton's interpreter (numpy) warn about inf - inf, which a GPU
-# computes silently.
-@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+@INTERPRETER_NON_FINITE_WARNINGS
 def test_live_tiles_table_is_the_bounds_verdict(gen: torch.Generator, device: str) -> None:
     """1 exactly where the bound is not below log(eps) (NaN included), the tile holds a target,
     or the token block has a row the bounds do not cover (an ignored row with a gradient, or an
