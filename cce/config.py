@@ -107,9 +107,10 @@ _FORWARD_PROGRAMS_PER_SM = 8
 # (cce.lse_forward.classifier_by_position).
 _COPY_CLASSIFIER_MIN_TOKENS = 4096
 # Deterministic mode's bounds read the LSE of the head of the vocabulary order, computed first in
-# a launch of its own, instead of other programs' merges: this many forward tiles (2048
-# positions), which hold most of the mass (results/dev/cpu_deterministic_bounds.json).
-_DETERMINISTIC_HEAD_BLOCKS = 8
+# a launch of its own, instead of other programs' merges: this many forward tiles (8192
+# positions), which hold most of the mass; real text needs more of them than synthetic inputs
+# (results/dev/h200_deterministic_head_sweep.json).
+_DETERMINISTIC_HEAD_BLOCKS = 32
 # A forward program's tile bounds rest on the LSE of its own earlier tiles (and on what others
 # have merged, which on a small problem is nothing yet): fewer tiles per program, looser bounds.
 _MIN_BLOCKS_PER_RECORDING_PROGRAM = 8

@@ -118,12 +118,14 @@ def test_deterministic_bounds_rest_on_the_head_of_the_order(gen: torch.Generator
     """In deterministic mode no program reads what others have merged, which would make the
     bounds depend on the schedule: the head of the order runs first, and the bound of every
     later tile is at least as tight as the head's LSE makes it."""
-    e, c, targets = peaked_inputs(gen, device, N, V, D)
+    configs = kernel_configs(torch.float32)  # peaked_inputs' dtype
+    block_vocab = configs.lse_forward.block_vocab
+    # Room for forward tiles after the head, which on a GPU is longer than V.
+    vocab = max(V, block_vocab * (deterministic_head_blocks(2**20) + 4) + 3)
+    e, c, targets = peaked_inputs(gen, device, N, vocab, D)
     order = vocab_order(e, c, None, targets)
     _, tile_bound = _forward_with_bounds(e, c, targets, order, deterministic=True)
-    configs = kernel_configs(e.dtype)
-    head = (deterministic_head_blocks(-(-V // configs.lse_forward.block_vocab))
-            * configs.lse_forward.block_vocab)
+    head = deterministic_head_blocks(-(-vocab // block_vocab)) * block_vocab
     logits = e.double() @ c.double()[order.long()].T
     above_head = logits - torch.logsumexp(logits[:, :head], dim=1, keepdim=True)
     head_made = _per_tile_max(above_head.masked_fill((targets < 0)[:, None], -math.inf), e.dtype)

@@ -53,12 +53,15 @@ def relative(x: torch.Tensor, reference: torch.Tensor) -> float:
 
 def alternate(shapes: "dict[str, tuple[int, int, int]]",
               variants: "dict[str, Callable[[], ContextManager]]", rounds: int, out_file: Path,
-              watched_kernel: str) -> None:
+              watched_kernel: str,
+              inputs: Optional[Callable[[str], "tuple[torch.Tensor, ...]"]] = None) -> None:
     """Every shape: every variant in turn, ``rounds`` times; one row per call. A variant that
-    raises (does not compile) gets its error instead of times."""
+    raises (does not compile) gets its error instead of times. ``inputs(shape)``: ``(e, c,
+    targets)`` instead of the lm_like ones."""
     results: "dict[str, Any]" = {"environment": environment(), "rows": []}
     for shape, (n, v, d) in shapes.items():
-        e, c, targets = lm_like_inputs(n, v, d, seed=1, device="cuda")
+        e, c, targets = (inputs(shape) if inputs is not None else
+                         lm_like_inputs(n, v, d, seed=1, device="cuda"))
         call = functools.partial(training_step, e, c, targets)
         reference: Optional[tuple] = None
         for round_index in range(rounds):
