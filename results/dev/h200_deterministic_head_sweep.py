@@ -22,26 +22,20 @@ from unittest import mock
 
 import torch
 
-import cce
-import cce.cce_function
-import cce.lse_forward
-from experiments.bench import SHAPES, shape_inputs
-from experiments.harness import environment, time_fn
+sys.path.insert(0, str(Path(__file__).parent))
+
+import cce.cce_function  # noqa: E402
+from ab_rounds import training_step  # noqa: E402
+from experiments.bench import SHAPES, shape_inputs  # noqa: E402
+from experiments.harness import environment, time_fn  # noqa: E402
+from h200_ab_deterministic_head_size import deterministic_with_head  # noqa: E402
 
 HEADS = (8, 16, 32, 64)
 
 
 def variant(head):
     """A context in which cce runs deterministic with a head of ``head`` tiles (None: default)."""
-    if head is None:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(cce.lse_forward, "deterministic_head_blocks",
-                                          lambda blocks: min(head, blocks)))
-    stack.enter_context(mock.patch.object(
-        cce, "linear_cross_entropy",
-        functools.partial(cce.linear_cross_entropy, deterministic=True)))
-    return stack
+    return contextlib.nullcontext() if head is None else deterministic_with_head(head)
 
 
 def live_count(e, c, targets) -> int:
@@ -54,14 +48,8 @@ def live_count(e, c, targets) -> int:
         return live
 
     with mock.patch.object(cce.cce_function, "recompute_table", counting):
-        cce.linear_cross_entropy(e, c, targets).backward()
-    e.grad = c.grad = None
+        training_step(e, c, targets)
     return seen["live"]
-
-
-def step(e, c, targets):
-    cce.linear_cross_entropy(e, c, targets).backward()
-    e.grad = c.grad = None
 
 
 def main(out_dir: Path) -> None:
@@ -75,7 +63,7 @@ def main(out_dir: Path) -> None:
                 with variant(head):
                     row = {"shape": name, "head": head, "round": round_index,
                            "live_tiles": live_count(e, c, targets),
-                           "fwd_bwd_ms": time_fn(functools.partial(step, e, c, targets),
+                           "fwd_bwd_ms": time_fn(functools.partial(training_step, e, c, targets),
                                                  warmup=5, repeats=20)}
                 rows.append(row)
                 print(row, flush=True)
