@@ -16,19 +16,17 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import cce  # noqa: E402
 import cce.lse_forward  # noqa: E402
 from ab_rounds import alternate  # noqa: E402
-from h100_ab_deterministic_head import SHAPES  # noqa: E402
+from h100_ab_deterministic_head import SHAPES, VARIANTS as HEAD_AB_VARIANTS  # noqa: E402
 
 
 def deterministic_with_head(head: int) -> contextlib.ExitStack:
+    """The head A/B's deterministic variant with a head of ``head`` forward tiles."""
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(cce.lse_forward, "deterministic_head_blocks",
                                           lambda blocks: min(head, blocks)))
-    stack.enter_context(mock.patch.object(
-        cce, "linear_cross_entropy",
-        functools.partial(cce.linear_cross_entropy, deterministic=True)))
+    stack.enter_context(HEAD_AB_VARIANTS["deterministic"]())
     return stack
 
 

@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import cce.cce_function  # noqa: E402
 from ab_rounds import training_step  # noqa: E402
-from experiments.bench import SHAPES, shape_inputs  # noqa: E402
 from experiments.harness import environment, time_fn  # noqa: E402
 from h200_ab_deterministic_head_size import deterministic_with_head  # noqa: E402
+from h200_ab_deterministic_real import real_inputs  # noqa: E402
 
 HEADS = (8, 16, 32, 64)
 
@@ -55,9 +55,7 @@ def live_count(e, c, targets) -> int:
 def main(out_dir: Path) -> None:
     rows = []
     for name in ("gemma3", "gemma3_masked"):
-        e, c, targets, source = shape_inputs(SHAPES[name])
-        if not source.startswith("real"):
-            raise SystemExit(f"{name}: {source}")
+        e, c, targets = real_inputs(name)
         for round_index in range(2):
             for head in (None, *HEADS):
                 with variant(head):
