@@ -161,8 +161,6 @@ def cublas_tflops(n: int, v: int, d: int, warmup: int, repeats: int) -> dict[str
         "dE": flops / median_ms(lambda: g @ c, warmup, repeats, queue_ahead=True) / 1e9,
         "dC": flops / median_ms(lambda: g.T @ e, warmup, repeats, queue_ahead=True) / 1e9,
     }
-    del e, c, g
-    torch.cuda.empty_cache()
     return rates
 
 
@@ -170,6 +168,7 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
                   repeats: int, bandwidth_gbs: float) -> tuple[list[dict[str, Any]],
                                                             dict[str, Any]]:
     rates = cublas_tflops(n, v, d, warmup, repeats)
+    torch.cuda.empty_cache()  # cuBLAS's operands, freed on return
     gemm_ms = 2 * n * v * d / rates["logits, idle start"] / 1e9
     e, c, targets = lm_like_inputs(n, v, d, seed=1, device="cuda")
 
@@ -267,8 +266,6 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
         "live fraction f": f, "multiplied fraction": tiles["dC"] / all_tiles,
         "ideal 1+4f": 1 + 4 * f, "ideal 1+3f": 1 + 3 * f,
     }
-    del e, c, targets
-    torch.cuda.empty_cache()
     return rows, summary
 
 
@@ -287,6 +284,7 @@ def run(quick: bool, out_dir: Path, repeats: Optional[int] = None,
     for name, description, n, v, d in progress(shapes, "roofline"):
         shape_rows, summary = measure_shape(name, description, n, v, d, warmup, repeats,
                                             bandwidth)
+        torch.cuda.empty_cache()  # the shape's inputs, freed on return
         rows += shape_rows
         summaries.append(summary)
     meta = {"dtype": "bfloat16", "options": "defaults (filter 2^-12, sorting, correction)",

@@ -50,33 +50,37 @@ def timed(fn, start_kind: str) -> float:
     return start.elapsed_time(end)
 
 
+def measure_shape(name: str, n: int, v: int, d: int) -> dict:
+    """Each launcher's times after each kind of start, at one shape."""
+    e, c, targets = lm_like_inputs(n, v, d, seed=1, device="cuda", requires_grad=False)
+    targets = torch.where(targets >= 0, targets, -1)  # the kernels' ignored tokens
+    order = sort_vocabulary(e, c, None, targets).order
+    target_logit = indexed_dot(e, c, targets, None, None)
+    steps = {
+        "log-sum-exp step": lambda: lse_forward(e, c, None, None, targets, order,
+                                                target_logit, may_copy_classifier=True),
+        "cuBLAS e @ c.T": lambda: e @ c.T,
+    }
+    shape_results = {}
+    for step, fn in steps.items():
+        for _ in range(3):
+            timed(fn, "busy")
+        times = {kind: [] for kind in STARTS}
+        for _ in range(REPEATS):
+            for kind in STARTS:
+                times[kind].append(timed(fn, kind))
+        shape_results[step] = {kind: {"median_ms": statistics.median(ms), "ms": ms}
+                               for kind, ms in times.items()}
+        print(name, step, {kind: round(statistics.median(ms), 3)
+                           for kind, ms in times.items()}, flush=True)
+    return shape_results
+
+
 def main(out_dir: Path) -> None:
     results = {"environment": environment(), "repeats": REPEATS, "shapes": {}}
     for name, (n, v, d) in SHAPES.items():
-        e, c, targets = lm_like_inputs(n, v, d, seed=1, device="cuda", requires_grad=False)
-        targets = torch.where(targets >= 0, targets, -1)  # the kernels' ignored tokens
-        order = sort_vocabulary(e, c, None, targets).order
-        target_logit = indexed_dot(e, c, targets, None, None)
-        steps = {
-            "log-sum-exp step": lambda: lse_forward(e, c, None, None, targets, order,
-                                                    target_logit, may_copy_classifier=True),
-            "cuBLAS e @ c.T": lambda: e @ c.T,
-        }
-        shape_results = {}
-        for step, fn in steps.items():
-            for _ in range(3):
-                timed(fn, "busy")
-            times = {kind: [] for kind in STARTS}
-            for _ in range(REPEATS):
-                for kind in STARTS:
-                    times[kind].append(timed(fn, kind))
-            shape_results[step] = {kind: {"median_ms": statistics.median(ms), "ms": ms}
-                                   for kind, ms in times.items()}
-            print(name, step, {kind: round(statistics.median(ms), 3)
-                               for kind, ms in times.items()}, flush=True)
-        results["shapes"][name] = shape_results
-        del e, c, targets, order, target_logit
-        torch.cuda.empty_cache()
+        results["shapes"][name] = measure_shape(name, n, v, d)
+        torch.cuda.empty_cache()  # the shape's inputs, freed on return
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "h100_idle_start_probe.json").write_text(json.dumps(results, indent=1) + "\n")
 
