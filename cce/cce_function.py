@@ -8,7 +8,7 @@ torch.compile sees one opaque op per pass instead of tracing into the kernels' l
 output (the vocabulary order without sorting, the tile bounds without a filtering backward, the
 curvature sum without a softcap, smoothing and a backward, a gradient nobody needs) is an empty
 tensor. The gradients are differentiable once: differentiating them raises
-(:func:`_differentiable_once`).
+(:func:`cce.second_order.differentiable_once`).
 """
 
 from __future__ import annotations
@@ -22,17 +22,21 @@ from cce.backward import linear_cross_entropy_backward
 from cce.config import check_interpreter_usable, kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
+from cce.second_order import differentiable_once
 from cce.live_tiles import live_tiles
 from cce.vocab_order import sort_vocabulary, target_positions
-from cce.weighting import LossWeighting, RankOneTerm
+from cce.weighting import (LossWeighting, RankOneTerm, lse_and_cross_entropy, target_complement,
+                           target_entry)
 
 
 class ForwardResults(NamedTuple):
     """What the forward's kernels produce (:func:`forward_kernels`)."""
 
     order: Optional[torch.Tensor]  # int32 (V,) vocabulary order
-    target_logit: torch.Tensor  # float32 (N,)
+    target_positions: torch.Tensor  # int32 (N,), see cce.vocab_order.target_positions
     lse: torch.Tensor  # float32 (N,)
+    cross_entropy: torch.Tensor  # float32 (N,): L - z_y (cce.weighting.lse_and_cross_entropy)
+    target_complement: torch.Tensor  # float32 (N,): 1 - p_y (cce.weighting.target_complement)
     tile_bound: Optional[torch.Tensor]  # float32 live-grid table, see cce.lse_forward
     classifier_row_sum: Optional[torch.Tensor]  # float32 (D,) c.sum(0), read with the order
 
@@ -55,13 +59,17 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
     if records_bounds and vocab_sorting:
         order, row_sum = sort_vocabulary(e, c, bias, targets)
     target_logit = indexed_dot(e, c, targets, bias, softcap)
+    positions = target_positions(targets, order)
     # The target logits double as lower bounds of the LSE for the tile bounds.
-    lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
-                                  target_logit if records_bounds else None,
-                                  logit_sum=logit_sum, curvature_sum=curvature_sum,
-                                  class_weight=class_weight, deterministic=deterministic,
-                                  may_copy_classifier=may_copy_classifier)
-    return ForwardResults(order, target_logit, lse, tile_bound, row_sum)
+    other_lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
+                                        target_logit if records_bounds else None,
+                                        left_out=positions, logit_sum=logit_sum,
+                                        curvature_sum=curvature_sum, class_weight=class_weight,
+                                        deterministic=deterministic,
+                                        may_copy_classifier=may_copy_classifier)
+    lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
+    return ForwardResults(order, positions, lse, cross_entropy,
+                          target_complement(other_lse, lse), tile_bound, row_sum)
 
 
 def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
@@ -126,10 +134,11 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  label_smoothing: float, deterministic: bool, keep_tiles: bool,
                  needs_grad: bool, grad_c_follows: bool,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                            torch.Tensor]:
-    """(per-token loss, lse, vocabulary order, tile bounds, curvature sum, classifier row sum):
-    float32 (N,), float32 (N,), int32 (V,) or empty, float32 live-grid table or empty, float32
-    (N,) with a softcap, label smoothing and ``needs_grad``
+                            torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token loss, lse, target complement, target positions, vocabulary order, tile bounds,
+    curvature sum, classifier row sum): float32 (N,), float32 (N,), float32 (N,) ``1 - p_y``
+    (:func:`cce.weighting.target_complement`), int32 (N,), int32 (V,) or empty, float32
+    live-grid table or empty, float32 (N,) with a softcap, label smoothing and ``needs_grad``
     (:meth:`cce.weighting.LossWeighting.rank_one_term`) or empty, float32 (D,) with the order or
     empty. Targets are canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and
     ``label_smoothing`` as in :mod:`cce.weighting`.
@@ -142,23 +151,18 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  if label_smoothing else None)
     curvature_sum = (torch.zeros_like(logit_sum)
                      if _sums_curvature(softcap, label_smoothing, needs_grad) else None)
-    order, target_logit, lse, tile_bound, row_sum = forward_kernels(
+    forward = forward_kernels(
         e, c, bias, targets, softcap, _records_bounds(filter_eps, needs_grad), vocab_sorting,
         logit_sum=logit_sum, curvature_sum=curvature_sum, class_weight=weight,
         deterministic=deterministic,
         may_copy_classifier=_may_copy_classifier(e, needs_grad, grad_c_follows))
-    # lse and the target logit come from different kernels: on a row whose softmax is one-hot
-    # to float32 precision their difference can round below 0, which a loss never is.
-    cross_entropy = (lse - target_logit).clamp_min(0.0)
-    # A row with an infinite logit has lse = +inf, and a NaN loss in PyTorch, whose
-    # log_softmax subtracts the row's maximum first (inf - inf).
-    cross_entropy = torch.where(lse == float("inf"), float("nan"), cross_entropy)
-    loss = LossWeighting(weight, label_smoothing).token_loss(cross_entropy, lse, logit_sum,
-                                                              targets, c.shape[0])
-    return (loss, lse, _or_empty(order, torch.int32, e.device),
-            _or_empty(tile_bound, torch.float32, e.device),
+    loss = LossWeighting(weight, label_smoothing).token_loss(
+        forward.cross_entropy, forward.lse, logit_sum, targets, c.shape[0])
+    return (loss, forward.lse, forward.target_complement, forward.target_positions,
+            _or_empty(forward.order, torch.int32, e.device),
+            _or_empty(forward.tile_bound, torch.float32, e.device),
             _or_empty(curvature_sum, torch.float32, e.device),
-            _or_empty(row_sum, torch.float32, e.device))
+            _or_empty(forward.classifier_row_sum, torch.float32, e.device))
 
 
 @loss_forward.register_fake
@@ -173,6 +177,8 @@ def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_s
     sorts = records_bounds and vocab_sorting
     return (e.new_empty(num_tokens, dtype=torch.float32),
             e.new_empty(num_tokens, dtype=torch.float32),
+            e.new_empty(num_tokens, dtype=torch.float32),
+            e.new_empty(num_tokens, dtype=torch.int32),
             e.new_empty(vocab_size if sorts else 0, dtype=torch.int32),
             e.new_empty(bound_shape, dtype=torch.float32),
             e.new_empty(num_tokens if _sums_curvature(softcap, label_smoothing, needs_grad)
@@ -183,6 +189,7 @@ def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_s
 @torch.library.custom_op("cce::loss_backward", mutates_args=())
 def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                   targets: torch.Tensor, weight: Optional[torch.Tensor], lse: torch.Tensor,
+                  target_complement: torch.Tensor, positions: torch.Tensor,
                   order: torch.Tensor, tile_bound: torch.Tensor, curvature_sum: torch.Tensor,
                   classifier_row_sum: torch.Tensor,
                   grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
@@ -191,8 +198,9 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
                   needs_grad_e: bool, needs_grad_c: bool,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` (a None gradient counts as
-    0), each empty when not needed (dC and dbias both come with ``needs_grad_c``). ``order``,
-    ``tile_bound``, ``curvature_sum`` and ``classifier_row_sum``: from :func:`loss_forward`.
+    0), each empty when not needed (dC and dbias both come with ``needs_grad_c``).
+    ``target_complement``, ``positions``, ``order``, ``tile_bound``, ``curvature_sum`` and
+    ``classifier_row_sum``: from :func:`loss_forward`.
     ``filter_correction``: with filtering and no softcap, dE gets back what the filter dropped
     (:mod:`cce.sparse_tile_matmul`).
     ``keep_tiles``: recompute each live tile once, into memory of its own
@@ -203,28 +211,29 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     if grad_loss is None:
         grad_loss = torch.zeros_like(lse)
     weighting = LossWeighting(weight, label_smoothing)
-    prob_scale, target_scale, uniform_scale = weighting.gradient_scales(grad_loss, targets,
-                                                                        c.shape[0])
+    scales = weighting.gradient_scales(grad_loss, targets, c.shape[0])
     if grad_lse is not None:
-        prob_scale = prob_scale + grad_lse.float()
-    rank_one = (weighting.rank_one_term(uniform_scale, curvature_sum, c.shape[0])
-                if uniform_scale is not None else None)
+        scales = scales._replace(softmax=scales.softmax + grad_lse.float())
+    rank_one = (weighting.rank_one_term(scales.uniform, curvature_sum, c.shape[0])
+                if scales.uniform is not None else None)
     if e.shape[1] == 0:
-        grad_bias = (_bias_gradient_without_dimensions(bias, targets, softcap, prob_scale,
-                                                       target_scale, rank_one)
+        grad_bias = (_bias_gradient_without_dimensions(bias, targets, softcap, scales.softmax,
+                                                       scales.target, rank_one)
                      if needs_grad_c and bias is not None else None)
         return (e.new_zeros(e.shape if needs_grad_e else (0,)),
                 c.new_zeros(c.shape if needs_grad_c else (0,)),
                 _or_empty(grad_bias, c.dtype, c.device))
-    positions = target_positions(targets, order)
     live = None
     if tile_bound.numel():
-        live = recompute_table(tile_bound, lse, prob_scale, positions, e.dtype, filter_eps)
+        live = recompute_table(tile_bound, lse, scales.softmax, positions, e.dtype, filter_eps)
+    # The tiles add up the softmax mass off the targets, 1 - p_y (cce.sparse_tile_matmul).
     grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
-        e, c, positions, bias, softcap, lse, prob_scale, target_scale, order, live, filter_eps,
+        e, c, positions, bias, softcap, lse, scales.softmax,
+        target_entry(scales, target_complement), order, live, filter_eps,
         needs_grad_e=needs_grad_e, needs_grad_c=needs_grad_c,
         mass_correction=uses_mass_correction(filter_correction, filter_eps, softcap),
-        rank_one=rank_one, keep_tiles=keep_tiles, classifier_row_sum=classifier_row_sum)
+        rank_one=rank_one, keep_tiles=keep_tiles, counted_mass=target_complement,
+        classifier_row_sum=classifier_row_sum)
     return (_or_empty(grad_e, e.dtype, e.device), _or_empty(grad_c, c.dtype, c.device),
             _or_empty(grad_bias, c.dtype, c.device))
 
@@ -250,10 +259,10 @@ def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
 
 
 @loss_backward.register_fake
-def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum,
-                        classifier_row_sum, grad_loss, grad_lse, softcap, filter_eps,
-                        filter_correction, label_smoothing, keep_tiles, needs_grad_e,
-                        needs_grad_c):
+def _loss_backward_fake(e, c, bias, targets, weight, lse, target_complement, positions, order,
+                        tile_bound, curvature_sum, classifier_row_sum, grad_loss, grad_lse,
+                        softcap, filter_eps, filter_correction, label_smoothing, keep_tiles,
+                        needs_grad_e, needs_grad_c):
     return (e.new_empty(e.shape if needs_grad_e else (0,)),
             c.new_empty(c.shape if needs_grad_c else (0,)),
             c.new_empty(bias.shape if needs_grad_c and bias is not None else (0,)))
@@ -265,66 +274,32 @@ def _loss_backward_fake(e, c, bias, targets, weight, lse, order, tile_bound, cur
 def _loss_forward_setup_context(ctx, inputs, output) -> None:
     (e, c, bias, targets, weight, softcap, filter_eps, _, filter_correction, label_smoothing, _,
      keep_tiles, _, _) = inputs
-    _, lse, order, tile_bound, curvature_sum, row_sum = output
-    ctx.mark_non_differentiable(order, tile_bound, curvature_sum, row_sum)
+    _, lse, complement, positions, order, tile_bound, curvature_sum, row_sum = output
+    ctx.mark_non_differentiable(complement, positions, order, tile_bound, curvature_sum, row_sum)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum,
-                          row_sum)
+    ctx.save_for_backward(e, c, bias, targets, weight, lse, complement, positions, order,
+                          tile_bound, curvature_sum, row_sum)
     ctx.options = (softcap, filter_eps, filter_correction, label_smoothing, keep_tiles)
 
 
 def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
-                           grad_lse: Optional[torch.Tensor], _grad_order, _grad_tile_bound,
-                           _grad_curvature_sum, _grad_row_sum):
+                           grad_lse: Optional[torch.Tensor], _grad_complement, _grad_positions,
+                           _grad_order, _grad_tile_bound, _grad_curvature_sum, _grad_row_sum):
     """Gradients of e, c and bias (None for the targets and the options)."""
-    e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum, row_sum = (
-        ctx.saved_tensors)
+    (e, c, bias, targets, weight, lse, complement, positions, order, tile_bound, curvature_sum,
+     row_sum) = ctx.saved_tensors
     needs_e, needs_c, needs_bias = ctx.needs_input_grad[:3]
-    with torch.no_grad():  # under create_graph=True too: see _differentiable_once
+    with torch.no_grad():  # under create_graph=True too: see differentiable_once
         grad_e, grad_c, grad_bias = loss_backward(
-            e, c, bias, targets, weight, lse, order, tile_bound, curvature_sum, row_sum,
-            grad_loss, grad_lse, *ctx.options,
+            e, c, bias, targets, weight, lse, complement, positions, order, tile_bound,
+            curvature_sum, row_sum, grad_loss, grad_lse, *ctx.options,
             needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
-    gradients = _differentiable_once(
+    gradients = differentiable_once(
         [grad for grad, needed in ((grad_e, needs_e), (grad_c, needs_c), (grad_bias, needs_bias))
          if needed],
         (e, c, bias, grad_loss, grad_lse))
     return tuple(gradients.pop(0) if needed else None
                  for needed in (needs_e, needs_c, needs_bias)) + (None,) * 11
-
-
-def _differentiable_once(gradients: "list[torch.Tensor]",
-                         depends_on: "tuple[Optional[torch.Tensor], ...]") -> "list[torch.Tensor]":
-    """``gradients``, which under create_graph=True (grad mode on, some of ``depends_on``
-    requiring grad) get a grad_fn that raises when differentiated: without one, a term built on
-    them (a gradient penalty) would silently lose its part through the loss. (torch's
-    ``once_differentiable`` looks only at the upstream gradients, not at e and c.)"""
-    tracked = [tensor for tensor in depends_on if tensor is not None and tensor.requires_grad]
-    if not (gradients and tracked and torch.is_grad_enabled()):
-        return gradients
-    return list(_RaiseWhenDifferentiated.apply(len(gradients), *gradients, *tracked))
-
-
-class _RaiseWhenDifferentiated(torch.autograd.Function):
-    """The identity on its first ``count`` tensors, whose backward raises; the other inputs
-    (e, c, ...) connect it to the graph, so that differentiating them through it raises too."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(count: int, *tensors: torch.Tensor) -> "tuple[torch.Tensor, ...]":
-        return tuple(tensor.view_as(tensor) for tensor in tensors[:count])
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            "cce.linear_cross_entropy is differentiable once: its gradients have no gradient "
-            "of their own, so double backward (create_graph=True, e.g. a gradient penalty) is "
-            "not supported")
 
 
 loss_forward.register_autograd(_loss_forward_backward, setup_context=_loss_forward_setup_context)

@@ -18,9 +18,10 @@ import math
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from cce.weighting import LossWeighting
+from cce.second_order import differentiable_once
+from cce.weighting import (LossWeighting, lse_and_cross_entropy, target_complement,
+                           target_entry)
 
 # Bytes of float32 logits per chunk of tokens (at least one token per chunk).
 CHUNK_LOGIT_BYTES = 32 * 2**20
@@ -35,8 +36,9 @@ def chunked_torch_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     """Per-token loss (F.cross_entropy's with ``weighting``, 0 at ignored tokens) and LSE,
     float32 (N,), on the device of the inputs; ``filter_eps``, ``vocab_sorting`` and
     ``filter_correction`` do not apply."""
-    return ChunkedLinearCrossEntropy.apply(e, c, bias, targets, softcap, weighting.weight,
-                                           weighting.label_smoothing)
+    loss, lse, _ = ChunkedLinearCrossEntropy.apply(e, c, bias, targets, softcap,
+                                                   weighting.weight, weighting.label_smoothing)
+    return loss, lse
 
 
 def chunk_rows(vocab_size: int) -> int:
@@ -56,68 +58,98 @@ def _chunk_logits(e32: torch.Tensor, c32: torch.Tensor, bias32: Optional[torch.T
 
 
 def _without_autocast(method):
-    """Runs ``method(ctx, ...)`` with autocast off on the tensors' device: the chunks multiply
-    float32 copies, which a caller's autocast would round back to 16 bits."""
+    """Runs ``method`` with autocast off on its tensors' device: the chunks multiply float32
+    copies, which a caller's autocast would round back to 16 bits."""
 
     @functools.wraps(method)
-    def wrapped(ctx, *args):
+    def wrapped(*args):
         first = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
         if first is None or first.device.type not in ("cpu", "cuda"):
-            return method(ctx, *args)  # no autocast there (meta tensors: shapes only)
+            return method(*args)  # no autocast there (meta tensors: shapes only)
         with torch.autocast(first.device.type, enabled=False):
-            return method(ctx, *args)
+            return method(*args)
 
     return wrapped
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Per-token loss and LSE, float32 (N,); targets are canonical (int64, -1 = ignored)."""
+    """Per-token loss and LSE, float32 (N,), and each row's ``1 - p_y``
+    (:func:`cce.weighting.target_complement`, for the backward); targets are canonical (int64,
+    -1 = ignored). With ``setup_context``, so that torch.func's transforms can differentiate it.
+    """
 
     @staticmethod
     @_without_autocast
-    def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+    def forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, softcap: Optional[float], weight: Optional[torch.Tensor],
                 label_smoothing: float):
         c32, bias32 = c.float(), None if bias is None else bias.float()
         num_tokens = e.shape[0]
-        lse = torch.empty(num_tokens, dtype=torch.float32, device=e.device)
-        target_logit = torch.empty_like(lse)
+        # The LSE of each row's non-target logits, for 1 - p_y to full precision
+        # (cce.weighting).
+        other_lse = torch.empty(num_tokens, dtype=torch.float32, device=e.device)
+        target_logit = torch.empty_like(other_lse)
         # sum_v weight[v] * logit[v] of every row, for label smoothing (cce.weighting).
-        logit_sum = torch.empty_like(lse) if label_smoothing else None
+        logit_sum = torch.empty_like(other_lse) if label_smoothing else None
         gather_index = targets.clamp(min=0).unsqueeze(1)  # ignored rows read column 0, unused
+        has_target = (targets >= 0).unsqueeze(1)
         rows = chunk_rows(c.shape[0])
         for start in range(0, num_tokens, rows):
             chunk = slice(start, start + rows)
             logits, _ = _chunk_logits(e[chunk].float(), c32, bias32, softcap)
-            lse[chunk] = torch.logsumexp(logits, dim=1)
-            target_logit[chunk] = logits.gather(1, gather_index[chunk]).squeeze(1)
             if logit_sum is not None:
                 logit_sum[chunk] = (logits.sum(dim=1) if weight is None
                                     else logits @ weight)
-        # A row with a +inf logit has a NaN loss in PyTorch, whose log_softmax subtracts the
-        # row's maximum first (inf - inf); lse - target_logit alone would be +inf there.
-        cross_entropy = torch.where(lse == math.inf, math.nan, lse - target_logit)
+            chunk_target_logit = logits.gather(1, gather_index[chunk])
+            target_logit[chunk] = chunk_target_logit.squeeze(1)
+            # -inf at the targets; ignored rows keep their column 0.
+            logits.scatter_(1, gather_index[chunk],
+                            chunk_target_logit.masked_fill(has_target[chunk], -math.inf))
+            other_lse[chunk] = torch.logsumexp(logits, dim=1)
+        lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
         weighting = LossWeighting(weight, label_smoothing)
         loss = weighting.token_loss(cross_entropy, lse, logit_sum, targets, c.shape[0])
-        ctx.save_for_backward(e, c, bias, targets, lse, weight)
-        ctx.softcap = softcap
-        ctx.label_smoothing = label_smoothing
-        return loss, lse
+        return loss, lse, target_complement(other_lse, lse)
 
     @staticmethod
-    @once_differentiable  # the backward's in-place chunk arithmetic records no graph
+    def setup_context(ctx, inputs, output) -> None:
+        e, c, bias, targets, softcap, weight, label_smoothing = inputs
+        _, lse, complement = output
+        ctx.mark_non_differentiable(complement)
+        ctx.save_for_backward(e, c, bias, targets, lse, complement, weight)
+        ctx.softcap = softcap
+        ctx.label_smoothing = label_smoothing
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor, _grad_complement):
+        e, c, bias = ctx.saved_tensors[:3]
+        with torch.no_grad():  # the in-place chunk arithmetic records no graph
+            gradients = ChunkedLinearCrossEntropy._gradients(ctx, grad_loss, grad_lse)
+        needed = [grad for grad in gradients if grad is not None]
+        # Under create_graph=True, a gradient with no grad_fn would silently drop its part of a
+        # term built on it (a gradient penalty): differentiating it raises instead.
+        needed = differentiable_once(needed, (e, c, bias, grad_loss, grad_lse))
+        return tuple(needed.pop(0) if grad is not None else None
+                     for grad in gradients) + (None,) * 4
+
+    @staticmethod
     @_without_autocast
-    def backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor):
-        e, c, bias, targets, lse, weight = ctx.saved_tensors
+    def _gradients(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor):
+        """(dE, dC, dbias), None where not needed."""
+        e, c, bias, targets, lse, complement, weight = ctx.saved_tensors
         needs_grad_e, needs_grad_c, needs_grad_bias = ctx.needs_input_grad[:3]
         softcap = ctx.softcap
-        # d(loss * grad_loss + lse * grad_lse)/d(logits) = softmax * prob_scale
-        # - onehot(target) * target_scale + uniform_scale * weight (cce.weighting); ignored
-        # rows only have the lse's term.
-        prob_scale, target_scale, uniform_scale = LossWeighting(
-            weight, ctx.label_smoothing).gradient_scales(grad_loss, targets, c.shape[0])
-        prob_scale = (prob_scale + grad_lse.float()).unsqueeze(1)
-        target_scale = target_scale.unsqueeze(1)
+        # d(loss * grad_loss + lse * grad_lse)/d(logits) = softmax * prob_scale off the target,
+        # the target's entry at it, + uniform_scale * weight (cce.weighting); ignored rows only
+        # have the lse's term.
+        scales = LossWeighting(weight, ctx.label_smoothing).gradient_scales(
+            grad_loss, targets, c.shape[0])
+        scales = scales._replace(softmax=scales.softmax + grad_lse.float())
+        prob_scale = scales.softmax.unsqueeze(1)
+        # Ignored rows keep their column 0's softmax entry.
+        has_target = (targets >= 0).unsqueeze(1)
+        entry = target_entry(scales, complement).unsqueeze(1)
+        uniform_scale = scales.uniform
         uniform_weight = None
         if uniform_scale is not None:
             uniform_scale = uniform_scale.unsqueeze(1)
@@ -126,7 +158,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # The softmax is exp(logits - lse); where the lse is +inf, PyTorch's softmax is NaN on
         # the whole row (every logit minus an infinite maximum), not only at the +inf logits.
         softmax_shift = lse.masked_fill(lse == math.inf, math.nan).unsqueeze(1)
-        scatter_index = targets.clamp(min=0).unsqueeze(1)  # ignored rows add -0 to column 0
+        scatter_index = targets.clamp(min=0).unsqueeze(1)
 
         c32, bias32 = c.float(), None if bias is None else bias.float()
         grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device) if needs_grad_e else None
@@ -140,7 +172,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             e32 = e[chunk].float()
             logits, capped = _chunk_logits(e32, c32, bias32, softcap)
             grad_logits = logits.sub_(softmax_shift[chunk]).exp_().mul_(prob_scale[chunk])
-            grad_logits.scatter_add_(1, scatter_index[chunk], target_scale[chunk].neg())
+            at_target = grad_logits.gather(1, scatter_index[chunk])
+            grad_logits.scatter_(1, scatter_index[chunk],
+                                 torch.where(has_target[chunk], entry[chunk], at_target))
             if uniform_weight is not None:
                 grad_logits.addcmul_(uniform_scale[chunk], uniform_weight)
             if capped is not None:  # d(s * tanh(z / s))/dz = 1 - tanh(z / s)^2
@@ -153,4 +187,4 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_bias32 += grad_logits.sum(dim=0)
         grad_c = grad_c32.to(c.dtype) if needs_grad_c else None
         grad_bias = grad_bias32.to(bias.dtype) if needs_grad_bias else None
-        return grad_e, grad_c, grad_bias, None, None, None, None
+        return grad_e, grad_c, grad_bias

@@ -8,9 +8,9 @@ exactly (gradient filtering: every entry below ``filter_eps``) and stored in the
   Tiles that the forward's bounds prove negligible are skipped without a recompute; ``flags``
   records which tiles survived the filter and were stored. The stored tiles fill whole rows of
   the grid, or, given a slot for every live tile, only their slots: a chunk of the same scratch
-  then holds more rows. With ``kept_mass``, it also adds up
-  each row's softmax mass in the stored tiles, for the dE product's estimate of what the filter
-  dropped (:mod:`cce.sparse_tile_matmul`). The sum is in fixed point (units of 2^-62), so that
+  then holds more rows. With ``kept_mass``, it also adds up each row's softmax mass in the
+  stored tiles (off its target), for the dE product's estimate of what the filter dropped
+  (:mod:`cce.sparse_tile_matmul`). The sum is in fixed point (units of 2^-62), so that
   the atomic additions are exact and the result does not depend on their order.
 - Pass 2 (:func:`listed_gradient_tiles`): one program per tile of the chunk's lists, the tiles
   pass 1 stored (:mod:`cce.live_lists`), each stored in a slot of its own, so that the chunk's
@@ -43,7 +43,7 @@ def store_tile(scratch_ptr, offsets, grad, row_mask, DOT_PRECISION: tl.constexpr
 
 @triton.jit
 def gradient_tiles_kernel(
-    e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
+    e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_entry_ptr,
     uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, vocab_order_ptr, live_tiles_ptr,
     flags_ptr, kept_mass_ptr, scratch_ptr, pages_ptr,
     tile_lists_ptr, tile_counts_ptr, first_slots_ptr, slot_map_ptr,
@@ -104,7 +104,7 @@ def gradient_tiles_kernel(
             vocab_order_ptr, vocab_block, entries, vocab_size, BLOCK_VOCAB, SORTED)
         grad, keep, row_mass = logit_gradient_tile(
             e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr,
-            target_scale_ptr, uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, rows,
+            target_entry_ptr, uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, rows,
             row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
             stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
             HAS_BIAS, HAS_SOFTCAP, FILTER, UNIFORM, HAS_CLASS_WEIGHT, BLOCK_TOKENS, BLOCK_VOCAB,
@@ -130,8 +130,9 @@ def gradient_tiles_kernel(
 
 class RecomputeInputs(NamedTuple):
     """What recomputing a tile of ``G`` reads, the same in every pass. ``target_positions``:
-    see :func:`cce.vocab_order.target_positions`; ``prob_scale`` and ``target_scale``: each
-    row's weight of the softmax and of the one-hot (:mod:`cce.weighting`); ``filter_eps``: the
+    see :func:`cce.vocab_order.target_positions`; ``prob_scale``: each row's weight of the
+    softmax (:mod:`cce.weighting`); ``target_entry``: each row's gradient at its target
+    (:func:`cce.weighting.target_entry`); ``filter_eps``: the
     exact filter's threshold (None: store every recomputed tile); ``rank_one``: the gradient's
     rank-one term (label smoothing), which the products add; with a softcap the tiles hold its
     part that is not rank-one (:func:`cce.logit_tile.logit_gradient_tile`)."""
@@ -143,7 +144,7 @@ class RecomputeInputs(NamedTuple):
     softcap: Optional[float]
     lse: torch.Tensor
     prob_scale: torch.Tensor
-    target_scale: torch.Tensor
+    target_entry: torch.Tensor
     vocab_order: Optional[torch.Tensor]
     filter_eps: Optional[float]
     rank_one: Optional[RankOneTerm]
@@ -159,7 +160,7 @@ def gradient_tiles(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
     tiles go to whole rows of the grid, or, with ``slot_map`` (int32, token blocks x vocabulary
     blocks; needs ``live_tiles``), each live tile to its slot, counted from ``first_slot``
     (int32, first element) at the scratch's start. Adds the softmax mass of the stored tiles
-    to ``kept_mass`` (int64 (N,), module docstring) when given."""
+    off the targets to ``kept_mass`` (int64 (N,), module docstring) when given."""
     _launch(inputs, live_tiles, flags, scratch, token_blocks, vocab_blocks,
             kept_mass=kept_mass, slot_map=slot_map, first_slot=first_slot)
 
@@ -181,7 +182,7 @@ def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
             kept_mass: Optional[torch.Tensor] = None,
             slot_map: Optional[torch.Tensor] = None,
             first_slot: Optional[torch.Tensor] = None) -> None:
-    (e, c, target_positions, bias, softcap, lse, prob_scale, target_scale, vocab_order,
+    (e, c, target_positions, bias, softcap, lse, prob_scale, target_entry, vocab_order,
      filter_eps, rank_one) = inputs
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
@@ -199,7 +200,7 @@ def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
     uniform = (rank_one if rank_one is not None and softcap is not None
                else RankOneTerm(None, None))
     gradient_tiles_kernel[(programs,)](
-        e, c, bias, target_positions, lse, prob_scale, target_scale, uniform.scale,
+        e, c, bias, target_positions, lse, prob_scale, target_entry, uniform.scale,
         uniform.curvature_mean, uniform.weight, vocab_order, live_tiles, flags, kept_mass,
         scratch.buffer, scratch.pages,
         tile_lists.lists if listed else None, tile_lists.counts if listed else None,

@@ -150,7 +150,7 @@ def finish_logits(logits, bias_ptr, vocab, vocab_mask, softcap,
 
 @triton.jit
 def logit_gradient_tile(
-    e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_scale_ptr,
+    e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_entry_ptr,
     uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr,
     rows, row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
@@ -160,11 +160,13 @@ def logit_gradient_tile(
     DOT_PRECISION: tl.constexpr,
 ):
     """Recompute one tile and return (gradient of the pre-softcap logits in float32, keep, the
-    softmax mass of each row in the tile).
+    softmax mass of each row's non-target entries in the tile).
     ``vocab_block``: the tile's block of vocabulary positions (``vocab`` = the entries at them).
 
-    The gradient is ``prob_scale[i] * softmax_ij - target_scale[i] * [j == x_i]``, times the
-    softcap derivative. ``keep`` is False when gradient filtering proves the tile negligible:
+    The gradient is ``prob_scale[i] * softmax_ij`` off the target and ``target_entry[i]`` at it
+    (:func:`cce.weighting.target_entry`: computed from ``1 - p_t``, which a tile's
+    ``exp(z_t - lse) - 1`` would give only to the LSE's last bits), times the softcap
+    derivative. ``keep`` is False when gradient filtering proves the tile negligible:
     every entry of ``softmax - onehot`` (on rows with a gradient) is below ``filter_eps``.
 
     ``UNIFORM`` (label smoothing, :mod:`cce.weighting`): the gradient also has the term
@@ -176,7 +178,7 @@ def logit_gradient_tile(
     # The rows' values are loaded before the tile's products, which hide their latency.
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     prob_scale = tl.load(prob_scale_ptr + rows, mask=row_mask, other=0.0)
-    target_scale = tl.load(target_scale_ptr + rows, mask=row_mask, other=0.0)
+    target_entry = tl.load(target_entry_ptr + rows, mask=row_mask, other=0.0)
     target_positions = tl.load(target_positions_ptr + rows, mask=row_mask, other=-1)
     logits = logit_tile(
         e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
@@ -207,7 +209,7 @@ def logit_gradient_tile(
                       & (target_positions < first_position + BLOCK_VOCAB))
                      | (lse - lse != 0.0))
         keep = (tl.max(probs) >= filter_eps) | (tl.max(row_keeps.to(tl.int32)) > 0)
-    grad = probs * prob_scale[:, None] - tl.where(is_target, target_scale[:, None], 0.0)
+    grad = tl.where(is_target, target_entry[:, None], probs * prob_scale[:, None])
     if HAS_SOFTCAP:
         capped = logits / softcap  # tanh of the pre-cap logit
         grad = grad * (1.0 - capped * capped)
@@ -219,4 +221,4 @@ def logit_gradient_tile(
                 curvature *= tl.load(class_weight_ptr + vocab, mask=vocab_mask,
                                      other=0.0)[None, :]
             grad -= curvature
-    return grad, keep, tl.sum(probs, axis=1)
+    return grad, keep, tl.sum(tl.where(is_target, 0.0, probs), axis=1)

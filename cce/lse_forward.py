@@ -68,14 +68,14 @@ def log_probability_bound(row_max, lse_lower, recorded_rows):
 @triton.jit
 def lse_forward_kernel(
     e_ptr, c_ptr, e_desc, c_desc, bias_ptr, targets_ptr, target_logit_ptr, vocab_order_ptr,
-    lse_ptr, locks_ptr, tile_bound_ptr, split_lse_ptr, head_lse_ptr, class_weight_ptr,
-    logit_sum_ptr, curvature_sum_ptr,
+    left_out_ptr, lse_ptr, locks_ptr, tile_bound_ptr, split_lse_ptr, head_lse_ptr,
+    class_weight_ptr, logit_sum_ptr, curvature_sum_ptr,
     num_tokens, vocab_size, dim, first_launch_block, last_launch_block, vocab_blocks_per_program,
     first_split, num_splits, stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
     RECORD_TILE_BOUND: tl.constexpr, LOGIT_SUM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     CURVATURE_SUM: tl.constexpr, LIVE_BLOCK_VOCAB: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    BY_DESCRIPTOR: tl.constexpr,
+    BY_DESCRIPTOR: tl.constexpr, LEAVES_OUT: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -103,6 +103,8 @@ def lse_forward_kernel(
         if DETERMINISTIC:
             known_lower = tl.maximum(known_lower, tl.load(head_lse_ptr + rows, mask=row_mask,
                                                           other=float("-inf")))
+    if LEAVES_OUT:
+        left_out = tl.load(left_out_ptr + rows, mask=row_mask, other=-1)
     running_max = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
@@ -137,9 +139,18 @@ def lse_forward_kernel(
                 # sum_v w_v z_v^2, divided by softcap^2 once per row after the loop: the tanh^2
                 # of the pre-cap logits, with no tile-sized temporary of its own.
                 curvature_sum += tl.sum(weighted * logits, axis=1)
-        # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)); every
-        # tile is masked on the descriptor path, whose flattened loop takes no branch.
-        if BY_DESCRIPTOR:
+        # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)), and
+        # so do the left-out entries; every tile is masked on the descriptor path, whose
+        # flattened loop takes no branch.
+        if LEAVES_OUT:
+            counted = ((vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB))[None, :]
+                       != left_out[:, None])
+            if BY_DESCRIPTOR:
+                counted = counted & vocab_mask[None, :]
+            elif holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
+                counted = counted & vocab_mask[None, :]
+            logits = tl.where(counted, logits, float("-inf"))
+        elif BY_DESCRIPTOR:
             logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
         elif holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
             logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
@@ -269,6 +280,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 softcap: Optional[float], targets: torch.Tensor,
                 vocab_order: Optional[torch.Tensor],
                 target_logit: Optional[torch.Tensor] = None, *,
+                left_out: Optional[torch.Tensor] = None,
                 logit_sum: Optional[torch.Tensor] = None,
                 curvature_sum: Optional[torch.Tensor] = None,
                 class_weight: Optional[torch.Tensor] = None, deterministic: bool = False,
@@ -278,6 +290,12 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     :func:`cce.indexed_dot.indexed_dot`) is given, the float32 table of log-probability bounds
     of the live-tile grid (in ``vocab_order``): every softmax entry of a tile on a non-ignored
     row (``targets >= 0``) is at most exp(its bound); -inf where a tile has no such row.
+
+    ``left_out``: int32 (N,) a position of the order (the vocabulary index without sorting)
+    per row, -1 for none: the LSE is then of the row's other logits. Given each row's target,
+    it is the LSE of the non-target logits, ``log(sum_{j != t} exp(z_j))``, from which
+    ``1 - p_t`` (a row's gradient at its target) comes with full relative precision, however
+    sure the model is of the target: ``exp(L_i - z_t) - 1`` would cancel (:mod:`cce.loss_terms`).
 
     ``logit_sum``: float32 (N,) zeros, when given, receives ``sum_v class_weight[v] z_iv`` of
     every row (``class_weight``: float32 (V,), None for all 1), for label smoothing
@@ -331,7 +349,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         if first_split:
             torch.logsumexp(split_lse[0, :first_split], dim=0, out=head_lse)
         lse_forward_kernel[(num_token_blocks * launch.splits,)](
-            e, c, e_desc, c_desc, bias, targets, target_logit, vocab_order, lse, locks,
+            e, c, e_desc, c_desc, bias, targets, target_logit, vocab_order, left_out, lse, locks,
             tile_bound, split_lse, head_lse, class_weight, logit_sum, curvature_sum, num_tokens,
             vocab_size, dim, launch.first_block, launch.last_block, launch.blocks_per_program,
             first_split, num_splits,
@@ -341,6 +359,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             LOGIT_SUM=logit_sum is not None, HAS_CLASS_WEIGHT=class_weight is not None,
             CURVATURE_SUM=curvature_sum is not None, LIVE_BLOCK_VOCAB=live_grid.block_vocab,
             DETERMINISTIC=deterministic, BY_DESCRIPTOR=c_by_position is not None,
+            LEAVES_OUT=left_out is not None,
             BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
             BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,

@@ -58,20 +58,23 @@ class MassCorrection(NamedTuple):
 
     @classmethod
     def of(cls, c: torch.Tensor, prob_scale: torch.Tensor,
-           shard_mass: Optional[torch.Tensor] = None,
+           counted_mass: Optional[torch.Tensor] = None,
            row_sum: Optional[torch.Tensor] = None) -> "MassCorrection":
-        """Before pass 1, which adds the kept mass up. ``shard_mass``: float32 (N,), each row's
-        softmax mass in c when c is one shard of the vocabulary (None: all of it, 1).
+        """Before pass 1, which adds the kept mass up. ``counted_mass``: float32 (N,), each
+        row's softmax mass in the entries that the tiles add up: off the row's target, and only
+        the shard's when c is one shard of the vocabulary (None: all of it, 1).
         ``row_sum``: float32 (D,) ``c.sum(0)`` where the forward has it (None: read c here)."""
         if row_sum is None:
             # Not torch.sum: on a GPU, its reduction over the rows stages partial sums in
             # buffers of 120-270 MB at these shapes (H200, measured).
             row_sum = classifier_sums(c).row_sum
         kept_mass = torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device)
-        if shard_mass is not None:
-            # Starting from the mass outside the shard, 1 - kept mass is what the filter dropped
-            # in the shard. (A NaN row's gradient is NaN through its tiles anyway.)
-            outside = (1 - shard_mass.double().clamp(0, 1)).nan_to_num(0)
+        if counted_mass is not None:
+            # Starting from the mass the tiles do not add up (the target's, the other shards'),
+            # 1 - kept mass is what the filter dropped: exactly, in fixed point, however close
+            # to 1 the target's probability is. (A NaN row's gradient is NaN through its tiles
+            # anyway.)
+            outside = (1 - counted_mass.double().clamp(0, 1)).nan_to_num(0)
             kept_mass = (outside * KEPT_MASS_ONE.value).long()
         return cls(row_sum / c.shape[0], prob_scale, kept_mass)
 

@@ -5,14 +5,17 @@ same targets (global vocabulary ids). The loss of the whole vocabulary needs, pe
 log-sum-exp and its target's logit, so the ranks exchange per-token values, never logits:
 
 - forward: each rank computes on its shard, with the single-GPU kernels, its target logits (0
-  where the target is another shard's) and its log-sum-exp; one all-reduce SUM gives the target
-  logits, an all-reduce MAX and a SUM of ``exp(local - max)`` the log-sum-exp. Every rank then
+  where the target is another shard's) and the log-sum-exp of its logits off the target; one
+  all-reduce SUM gives the target logits, an all-reduce MAX and a SUM of ``exp(local - max)``
+  the log-sum-exp of every row's non-target logits, and with the target logit its LSE
+  (:mod:`cce.weighting`). Every rank then
   has the loss (and lse) of the unsharded call, the same on every rank. The target logits are
   summed first: they are a lower bound of the whole vocabulary's log-sum-exp, which the shard's
   forward uses for its tile bounds.
 - backward: each rank runs the single-GPU backward on its shard with the global log-sum-exp (its
-  softmax entries are ``exp(z - global lse)``) and the target's ``-1`` only where the target is
+  softmax entries are ``exp(z - global lse)``) and the target's entry only where the target is
   in its shard. Filtering and vocabulary sorting work per shard, with the global log-sum-exp.
+  A rank may hold no rows: it adds nothing to the sums, and its dC is empty.
   ``dC`` and ``dbias`` are the shard's; ``dE``, a sum over the shards, is computed in float32 on
   each rank and summed by one all-reduce.
 
@@ -37,7 +40,10 @@ from cce.cce_function import (needs_gradient, recompute_table, tokenless_loss,
 from cce.config import check_interpreter_usable, interpreting
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
+from cce.second_order import differentiable_once
 from cce.vocab_order import sort_vocabulary, target_positions
+from cce.weighting import (GradientScales, lse_and_cross_entropy, target_complement,
+                           target_entry)
 
 # The implementations that run vocabulary-parallel: the kernels, and materialized local logits
 # (a reference whose backward is autograd's).
@@ -116,9 +122,9 @@ def check_shards(vocab_parallel: VocabParallelOptions, e: torch.Tensor, c: torch
     ranges = table.tolist()
     previous: Optional[tuple[int, int]] = None  # the range of the rank before
     for rank, (start, stop, rank_rows) in enumerate(ranges):
-        if stop <= start:
+        if stop < start:
             raise ValueError(f"vocab_parallel: rank {rank} holds rows [{start}, {stop}) of the "
-                             f"classifier: stop must be greater than start")
+                             f"classifier: stop must not be less than start")
         if previous is None and start != 0:
             raise ValueError(f"vocab_parallel: rank 0's rows [{start}, {stop}) must start at 0 "
                              f"(the ranks' ranges partition [0, V) in rank order)")
@@ -132,6 +138,9 @@ def check_shards(vocab_parallel: VocabParallelOptions, e: torch.Tensor, c: torch
                              f"tensor expected) for its range [{start}, {stop}) of "
                              f"{stop - start} rows")
         previous = (start, stop)
+    if ranges[-1][1] == 0:
+        raise ValueError("vocab_parallel: the ranks hold no rows of the classifier between them "
+                         "(the vocabulary must have at least one entry)")
     return ranges[-1][1]
 
 
@@ -148,7 +157,7 @@ def vocab_parallel_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     local_targets = torch.where(in_shard, targets - vocab_parallel.start, -1)
     if e.shape[0] == 0:
         return tokenless_loss(e, c, bias)  # on every rank (e is the same): no exchange
-    if impl == "torch":
+    if impl == "torch" or e.dtype == torch.float64:  # the kernels are 16/32-bit
         return _materialized_loss(e, c, targets, local_targets, bias, softcap, group)
     check_interpreter_usable()
     if e.device.type == "cpu" and not interpreting():
@@ -173,24 +182,35 @@ class VocabParallelFunction(torch.autograd.Function):
                 group: Optional[dist.ProcessGroup], softcap: Optional[float],
                 filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
                 needs_grad: bool):
-        records_bounds = needs_grad and filter_eps is not None
+        holds_rows = c.shape[0] > 0  # a rank may hold none: it adds nothing to the sums
+        records_bounds = needs_grad and filter_eps is not None and holds_rows
         # The order and the bounds are over the rows with a loss, wherever their target is:
         # sort_vocabulary and lse_forward only read which targets are ignored (-1).
         order = row_sum = None
         if records_bounds and vocab_sorting:
             order, row_sum = sort_vocabulary(e, c, bias, targets)
-        target_logit = indexed_dot(e, c, local_targets, bias, softcap)  # 0 off the shard
+        positions = target_positions(local_targets, order)
+        if holds_rows:
+            target_logit = indexed_dot(e, c, local_targets, bias, softcap)  # 0 off the shard
+        else:
+            target_logit = torch.zeros(e.shape[0], dtype=torch.float32, device=e.device)
         dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
-        local_lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
-                                            target_logit if records_bounds else None)
-        lse = _global_lse(local_lse, group)
-        # As on one GPU: a row with an infinite logit has a NaN loss, as in PyTorch.
-        token_loss = torch.where(lse == float("inf"), float("nan"), lse - target_logit)
-        loss = torch.where(targets >= 0, token_loss, 0.0)
+        # The LSE of the shard's logits off the target (cce.weighting): the sum over the
+        # shards is the row's other logits' LSE.
+        local_other_lse, tile_bound = (
+            lse_forward(e, c, bias, softcap, targets, order,
+                        target_logit if records_bounds else None, left_out=positions)
+            if holds_rows else (torch.full_like(target_logit, float("-inf")), None))
+        other_lse = _global_lse(local_other_lse, group)
+        lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
+        loss = torch.where(targets >= 0, cross_entropy, 0.0)
         mass_correction = uses_mass_correction(filter_correction, filter_eps, softcap)
-        shard_mass = torch.exp(local_lse - lse) if mass_correction and needs_grad else None
-        ctx.save_for_backward(e, c, bias, targets, local_targets, lse, order, tile_bound,
-                              shard_mass, row_sum)
+        # The mass that the shard's tiles add up, which the mass correction starts from.
+        counted_mass = (torch.exp(local_other_lse - lse) if mass_correction and needs_grad
+                        else None)
+        ctx.save_for_backward(e, c, bias, targets, positions, lse,
+                              target_complement(other_lse, lse), order, tile_bound,
+                              counted_mass, row_sum)
         ctx.group = group
         ctx.softcap = softcap
         ctx.filter_eps = filter_eps
@@ -199,48 +219,66 @@ class VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
-        (e, c, bias, targets, local_targets, lse, order, tile_bound, shard_mass,
+        (e, c, bias, targets, positions, lse, complement, order, tile_bound, counted_mass,
          row_sum) = ctx.saved_tensors
         # The softmax part of the gradient is every row's with a loss or an lse gradient; the
         # target part only the shard's targets' (positions -1 elsewhere).
         target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
                         if grad_loss is not None else torch.zeros_like(lse))
         prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
-        positions = target_positions(local_targets, order)
-        live = None
-        if tile_bound is not None:
-            # live_tiles keeps the whole token block of a row with no target position and a
-            # softmax gradient, taking it for an ignored row that the bounds leave out. Rows
-            # whose target is another shard's are in the bounds: a zero scale says so.
-            covered = torch.where((targets >= 0) & (positions < 0), 0.0, prob_scale)
-            live = recompute_table(tile_bound, lse, covered, positions, e.dtype, ctx.filter_eps)
         needs_grad_e = ctx.needs_input_grad[0]
-        grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
-            e, c, positions, bias, ctx.softcap, lse, prob_scale, target_scale, order, live,
-            ctx.filter_eps, needs_grad_e=needs_grad_e,
-            needs_grad_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
-            mass_correction=ctx.mass_correction, shard_mass=shard_mass,
-            classifier_row_sum=row_sum,
-            grad_e_dtype=torch.float32 if needs_grad_e else None)
+        needs_grad_c = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        if c.shape[0] == 0:
+            grad_e = (torch.zeros(e.shape, dtype=torch.float32, device=e.device)
+                      if needs_grad_e else None)
+            grad_c = torch.zeros_like(c) if needs_grad_c else None
+            grad_bias = torch.zeros_like(bias) if needs_grad_c and bias is not None else None
+        else:
+            live = None
+            if tile_bound is not None:
+                # live_tiles keeps the whole token block of a row with no target position and
+                # a softmax gradient, taking it for an ignored row that the bounds leave out.
+                # Rows whose target is another shard's are in the bounds: a zero scale says so.
+                covered = torch.where((targets >= 0) & (positions < 0), 0.0, prob_scale)
+                live = recompute_table(tile_bound, lse, covered, positions, e.dtype,
+                                       ctx.filter_eps)
+            entry = target_entry(GradientScales(prob_scale, target_scale, None), complement)
+            grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
+                e, c, positions, bias, ctx.softcap, lse, prob_scale, entry, order, live,
+                ctx.filter_eps, needs_grad_e=needs_grad_e, needs_grad_c=needs_grad_c,
+                mass_correction=ctx.mass_correction, counted_mass=counted_mass,
+                classifier_row_sum=row_sum,
+                grad_e_dtype=torch.float32 if needs_grad_e else None)
         if grad_e is not None:
             dist.all_reduce(grad_e, op=dist.ReduceOp.SUM, group=ctx.group)
             grad_e = grad_e.to(e.dtype)
-        return grad_e, grad_c, grad_bias, None, None, None, None, None, None, None, None
+        gradients = [grad_e, grad_c, grad_bias]
+        needed = differentiable_once([grad for grad in gradients if grad is not None],
+                                     (e, c, bias, grad_loss, grad_lse))
+        return tuple(needed.pop(0) if grad is not None else None
+                     for grad in gradients) + (None,) * 8
 
 
 def _materialized_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                        local_targets: torch.Tensor, bias: Optional[torch.Tensor],
                        softcap: Optional[float], group: Optional[dist.ProcessGroup]
                        ) -> "tuple[torch.Tensor, torch.Tensor]":
-    """impl="torch": the shard's logits materialized, and autograd for the backward."""
+    """impl="torch": the shard's logits materialized, and autograd for the backward. As in the
+    kernels, the shards' LSEs are of the logits off the target (cce.weighting), so that autograd
+    differentiates ``1 - p_target`` to its own precision."""
     logits = materialized_logits(_SumGradientOverRanks.apply(e, group), c, bias, softcap)
-    local_lse = torch.logsumexp(logits, dim=-1)
     in_shard = local_targets >= 0
-    gathered = logits.gather(1, local_targets.clamp(min=0)[:, None])[:, 0]
-    lse, target_logit = _CombineShards.apply(local_lse, torch.where(in_shard, gathered, 0.0),
-                                             group)
-    token_loss = torch.where(lse == float("inf"), float("nan"), lse - target_logit)
-    return torch.where(targets >= 0, token_loss, 0.0), lse
+    index = local_targets.clamp(min=0)[:, None]
+    if c.shape[0]:
+        gathered = logits.gather(1, index)[:, 0]
+        at_target = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, index, in_shard[:, None])
+        local_other_lse = torch.logsumexp(logits.masked_fill(at_target, float("-inf")), dim=-1)
+    else:  # a shard of no rows holds no target
+        gathered = local_other_lse = logits.sum(dim=-1) + float("-inf")
+    other_lse, target_logit = _CombineShards.apply(local_other_lse,
+                                                   torch.where(in_shard, gathered, 0.0), group)
+    lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
+    return torch.where(targets >= 0, cross_entropy, 0.0), lse
 
 
 class _SumGradientOverRanks(torch.autograd.Function):
@@ -261,7 +299,8 @@ class _SumGradientOverRanks(torch.autograd.Function):
 
 
 class _CombineShards(torch.autograd.Function):
-    """(log-sum-exp, target logit) of the whole vocabulary from every rank's shard's."""
+    """(log-sum-exp, target logit) of the whole vocabulary from every rank's shard's (of the
+    logits off the target, as the caller gives them)."""
 
     @staticmethod
     def forward(ctx, local_lse: torch.Tensor, local_target_logit: torch.Tensor,

@@ -22,6 +22,14 @@ longer rank-one. The products add its rank-one part ``u_i (1 - kappa_i) w_v``, k
 hold the rest, ``-u_i w_v (t_iv^2 - kappa_i)``, which sums to 0 over each row: the tiles that
 gradient filtering skips drop only its deviation from the row's mean, not the mean itself.
 
+Rows where the model is sure of its target (p_y near 1) need ``1 - p_y`` with its own relative
+precision: the loss is about ``1 - p_y`` and the gradient at the target is ``-g (1 - p_y)``. From
+the LSE L and the target logit, ``L - z_y`` and ``exp(z_y - L) - 1`` keep only what is left of
+their last bits. The implementations that build no logits compute instead the LSE of each row's
+other logits, ``O_i = log sum_{v != y} exp(z_iv)``; then ``1 - p_y = exp(O_i - L_i)`` and the
+cross-entropy is ``log(1 + exp(O_i - z_iy))``, both exact to float32 rounding
+(:func:`lse_and_cross_entropy`, :func:`target_complement`).
+
 Every implementation gets a :class:`LossWeighting` and returns F.cross_entropy's per-token loss
 (``reduction="none"``); :mod:`cce.loss` reduces it. Those that build no logits compute the plain
 pieces (L, z_iy, m) and use :meth:`LossWeighting.token_loss` and
@@ -122,3 +130,29 @@ class LossWeighting(NamedTuple):
             return GradientScales(target, target, None)
         softmax = target + grad * (smoothing * self.weight_sum(vocab_size) / vocab_size)
         return GradientScales(softmax, target, grad * (-smoothing / vocab_size))
+
+
+def lse_and_cross_entropy(other_lse: torch.Tensor, target_logit: torch.Tensor,
+                          targets: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Each row's LSE and its plain cross-entropy ``L - z_y`` (float32 (N,)) from the LSE of its
+    non-target logits (``other_lse``; of all of them where ``targets`` is -1) and its target's
+    logit (module docstring). A row with a +inf logit has a NaN loss, as in PyTorch, whose
+    log_softmax subtracts the row's maximum first (inf - inf)."""
+    lse = torch.where(targets >= 0, torch.logaddexp(other_lse, target_logit), other_lse)
+    # log(1 + exp(O - z_y)): the cross-entropy to its last bit where p_y is near 1.
+    cross_entropy = torch.nn.functional.softplus(other_lse - target_logit)
+    return lse, torch.where(lse == float("inf"), float("nan"), cross_entropy)
+
+
+def target_complement(other_lse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``1 - p_y`` of each row, float32 (N,): the softmax mass of its non-target entries (all of
+    them where the row has no target), NaN where the LSE is +inf (PyTorch's softmax there)."""
+    return torch.where(lse == float("inf"), float("nan"), torch.exp(other_lse - lse))
+
+
+def target_entry(scales: GradientScales, complement: torch.Tensor) -> torch.Tensor:
+    """Each row's gradient of the logits at its target, ``softmax * p_y - target``, written as
+    ``(softmax - target) - softmax (1 - p_y)`` (``scales``: :meth:`LossWeighting.gradient_scales`
+    with the LSE's upstream gradient in ``softmax``; ``complement``:
+    :func:`target_complement`): exact where p_y is near 1."""
+    return (scales.softmax - scales.target) - scales.softmax * complement

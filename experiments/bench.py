@@ -53,13 +53,13 @@ import torch
 import cce
 from cce.cce_function import forward_kernels, recompute_table
 from cce.loss import default_filter_eps
-from cce.vocab_order import target_positions
 from experiments.alpaca_data import add_data_argument
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
                                  WrittenResults, add_run_arguments, add_sections, device_label,
-                                 environment, finish, float64_reference, log, measure_loss,
-                                 progress, run_experiment, run_mode, time_fn, write_results)
+                                 finish, float64_reference, label_log_axis, log, measure_loss,
+                                 progress, run_experiment, run_mode, shown_method, time_fn,
+                                 write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
 NAME = "bench"
@@ -168,6 +168,7 @@ class Method:
     loss: Callable[[], Loss]  # builds the loss function; raises ImportError when not installed
     needs_cuda: bool = False
     label_smoothing: float = 0.0  # of the loss, and so of its float64 reference
+    cce_kernels: bool = False  # runs cce's Triton kernels (in the interpreter on a CPU)
 
 
 def _cce_variant_loss(impl: str, options: dict[str, Any]) -> Callable[[], Loss]:
@@ -192,13 +193,14 @@ def _liger_loss() -> Loss:
 
 METHODS: dict[str, Method] = {method.name: method for method in (
     # cce_torch (the CPU default) computes float32 logits chunk by chunk: not a GPU method.
-    *(Method(v.name, _cce_variant_loss(v.impl, v.options)) for v in variants()
-      if v.impl != "cce_torch" or not ON_GPU),
+    *(Method(v.name, _cce_variant_loss(v.impl, v.options), cce_kernels=v.impl == "cce")
+      for v in variants() if v.impl != "cce_torch" or not ON_GPU),
     Method("cce (label_smoothing=0.1)", _cce_variant_loss("cce", {"label_smoothing": 0.1}),
-           label_smoothing=0.1),
+           label_smoothing=0.1, cce_kernels=True),
     Method("cut_cross_entropy", _apple_cce_loss, needs_cuda=True),
     Method("liger", _liger_loss, needs_cuda=True),
 )}
+KERNEL_METHODS = tuple(name for name, method in METHODS.items() if method.cce_kernels)
 
 
 def run(quick: bool, out_dir: Path, shapes: Optional[list[str]] = None,
@@ -316,9 +318,10 @@ def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
     }
     if measured is not None:
         meta["merged_runs"] = sorted(measured)
-    written = write_results(NAME, rows, meta, out_dir, measured_in=measured_in)
+    written = write_results(NAME, rows, meta, out_dir, measured_in=measured_in,
+                            kernel_methods={"method": KERNEL_METHODS})
     written = _add_sections(written, shape_info, targets_report)
-    _plot(rows, shape_info, device_label(measured_in or environment()), out_dir / f"{NAME}.png")
+    plot(written.json_path)
     return written
 
 
@@ -589,10 +592,10 @@ def cce_table_fraction(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) 
     eps = default_filter_eps(e.dtype)
     targets = torch.where(targets >= 0, targets, -1)  # cce's canonical targets
     with torch.no_grad():
-        order, _, lse, tile_bound, _ = forward_kernels(e, c, None, targets, None,
-                                                       records_bounds=True, vocab_sorting=True)
-        table = recompute_table(tile_bound, lse, (targets >= 0).float(),
-                                target_positions(targets, order), e.dtype, eps)
+        forward = forward_kernels(e, c, None, targets, None, records_bounds=True,
+                                  vocab_sorting=True)
+        table = recompute_table(forward.tile_bound, forward.lse, (targets >= 0).float(),
+                                forward.target_positions, e.dtype, eps)
     return float(table.ne(0).float().mean())
 
 
@@ -688,50 +691,79 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _plot(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]], device: str,
-          path: Path) -> None:
-    """Grouped bars: forward+backward time of every method per shape, one GEMM as a marker;
-    ``device`` names where the times come from."""
+def plot(json_path: Path, path: Optional[Path] = None) -> None:
+    """Draw :func:`bench_figure` from a written ``bench.json`` into ``path`` (default: ``bench.png``
+    beside it); a report measured elsewhere can be redrawn on any machine."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a benchmark machine
     import matplotlib.pyplot as plt
 
-    shapes = list(shape_info)
-    times = {(row["shape"], row["method"]): row["fwd_bwd_ms"] for row in rows
+    drawn = bench_figure(json.loads(json_path.read_text()))
+    drawn.savefig(path or json_path.with_suffix(".png"), dpi=150)
+    plt.close(drawn)
+
+
+def bench_figure(results: dict[str, Any]) -> Any:
+    """Grouped bars of the forward+backward time of every method per shape, one GEMM as a
+    dashed line, from the contents of ``bench.json``: a matplotlib Figure.
+
+    A panel per set of methods measured, so that each reads on a laptop's screen: every method
+    on the named shapes, then cce and torch.compile alone on the N sweep and the frozen
+    classifier. A method's color is the same in every panel.
+    """
+    import matplotlib.pyplot as plt
+
+    env, shape_info = results["environment"], results["shapes"]
+    times = {(row["shape"], row["method"]): row["fwd_bwd_ms"] for row in results["rows"]
              if row.get("fwd_bwd_ms")}
     # Methods that were skipped or failed everywhere get no slot in the groups.
     methods = list(dict.fromkeys(method for _, method in times))
-    width = 0.8 / max(1, len(methods))
-    figure, axes = plt.subplots(figsize=(max(6.0, 1.8 * len(shapes)) + 2.5, 4.5))
+    shown = {method: shown_method(method, env) if method in KERNEL_METHODS else method
+             for method in methods}
+    panels: dict[tuple[str, ...], list[str]] = {}
+    for shape in shape_info:
+        measured = tuple(method for method in methods if (shape, method) in times)
+        panels.setdefault(measured, []).append(shape)
     # tab10 alone would repeat its colors from the eleventh method on.
-    colors = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
-    for index, method in enumerate(methods):
-        measured = [(i, times[shape, method]) for i, shape in enumerate(shapes)
-                    if (shape, method) in times]
-        axes.bar([i - 0.4 + width * (index + 0.5) for i, _ in measured],
-                 [ms for _, ms in measured], width, label=method,
-                 color=colors[index % len(colors)])
-    for i, shape in enumerate(shapes):
-        axes.hlines(shape_info[shape]["gemm_ms"], i - 0.42, i + 0.42, colors="black",
-                    linestyles="--", label="one GEMM e @ c.T" if i == 0 else None)
-    axes.set_xticks(range(len(shapes)), [_shape_label(shape_info[s]) for s in shapes],
-                    fontsize=8)
-    axes.set_yscale("log")
-    axes.set_ylabel("forward + backward, ms (log scale)")
-    axes.set_title(f"Linear cross-entropy, bfloat16 ({device})")
-    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    palette = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
+    colors = {method: palette[index % len(palette)] for index, method in enumerate(methods)}
+    drawn, axes = plt.subplots(len(panels), 1, squeeze=False, layout="constrained",
+                               figsize=(12, max(4.5, 1 + 3.1 * len(panels))))
+    for index, (axis, (panel_methods, shapes)) in enumerate(zip(axes[:, 0], panels.items())):
+        width = 0.8 / max(1, len(panel_methods))
+        for slot, method in enumerate(panel_methods):
+            axis.bar([i - 0.4 + width * (slot + 0.5) for i in range(len(shapes))],
+                     [times[shape, method] for shape in shapes], width, color=colors[method],
+                     label=shown[method])
+        for i, shape in enumerate(shapes):
+            axis.hlines(shape_info[shape]["gemm_ms"], i - 0.42, i + 0.42, colors="black",
+                        linestyles="--", label="one GEMM e @ c.T" if i == 0 else None)
+        axis.set_xticks(range(len(shapes)), [_shape_label(shape_info[s]) for s in shapes],
+                        fontsize=10)
+        axis.set_yscale("log")
+        label_log_axis(axis)
+        axis.set_ylabel("forward + backward, ms")
+        axis.grid(True, axis="y", which="major", alpha=0.3)
+        if len(panels) > 1:
+            axis.set_title(f"({'abcdefgh'[index]}) "
+                           + ("every method" if len(panel_methods) == len(methods)
+                              else "only " + " and ".join(map(shown.get, panel_methods))),
+                           fontsize=11, loc="left")
+    legend = {label: handle for axis in axes[:, 0]
+              for handle, label in zip(*axis.get_legend_handles_labels())}
+    drawn.legend(legend.values(), legend.keys(), loc="outside right upper", fontsize=10)
+    drawn.suptitle(f"Linear cross-entropy, bfloat16, log scale ({device_label(env)})",
+                   fontsize=12)
+    return drawn
 
 
 def _shape_label(info: dict[str, Any]) -> str:
     """A shape's x label: its description, sizes, and inputs (a real-data shape falls back to
     synthetic inputs without the model)."""
-    data = info["data"].split(":")[0].split(" (")[0]
-    return (f"{textwrap.fill(info['description'], 20)}\n"
-            f"N={info['n_tokens']}\nV={info['vocab_size']}, D={info['dim']}\n{data}")
+    data = info["data"].split(":")[0].split(" (")[0].split(",")[0]
+    return (f"{textwrap.fill(info['description'], 18)}\n"
+            f"N={info['n_tokens']}, D={info['dim']}\nV={info['vocab_size']}\n{data}")
 
 
 def add_repeats_argument(parser: argparse.ArgumentParser) -> None:

@@ -86,6 +86,27 @@ def peaked_inputs(gen: torch.Generator, device: str, num_tokens: int, vocab: int
     return e.to(device), c.to(device), targets.to(device)
 
 
+def confident_inputs(gen: torch.Generator, device: str, dtype: torch.dtype, num_tokens: int,
+                     vocab: int, dim: int, complement: float
+                     ) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+    """(e, c, targets) of a model sure of every target: ``1 - p_target`` about ``complement``
+    on every row (within a factor of about 2 after rounding to ``dtype``). Each e row is moved
+    along its target's row of c until, in float64, its target logit exceeds the LSE of its other
+    logits by log(1 / complement)."""
+    e = torch.randn(num_tokens, dim, generator=gen, dtype=torch.float64).to(device)
+    c = (torch.randn(vocab, dim, generator=gen, dtype=torch.float64) / math.sqrt(dim)).to(device)
+    targets = torch.randint(0, vocab, (num_tokens,), generator=gen).to(device)
+    direction = c[targets] / c[targets].square().sum(1, keepdim=True)
+    rows = torch.arange(num_tokens, device=device)
+    for _ in range(4):  # moving e moves the other logits too, a little: a few steps settle it
+        logits = e @ c.T
+        target_logit = logits[rows, targets]
+        logits[rows, targets] = -math.inf
+        gap = target_logit - torch.logsumexp(logits, dim=1)
+        e = e + (math.log(1 / complement) - gap)[:, None] * direction
+    return e.to(dtype), c.to(dtype), targets
+
+
 def make_grad_output(gen: torch.Generator, inputs: Inputs, reduction: str) -> torch.Tensor:
     """A random upstream gradient, so that the tests also check it is applied (not assumed 1)."""
     if reduction == "none":

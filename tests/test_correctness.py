@@ -18,12 +18,13 @@ from typing import Optional
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import cce
 from tests.helpers import (D, DTYPE_IDS, DTYPES, INTERPRETER_NON_FINITE_WARNINGS, N, V, Inputs,
-                           assert_matches, check, make_grad_output, make_inputs, run,
-                           run_reference, tolerances)
+                           assert_matches, check, confident_inputs, make_grad_output,
+                           make_inputs, run, run_reference, tolerances)
 from tests.reference import Result, reference, relative_error
 
 IMPLS = ("cce", "torch", "chunked")
@@ -353,6 +354,56 @@ def test_filter_correction_is_off_with_softcap(device: str, gen: torch.Generator
     default = run("cce", inputs, grad_output, softcap=30.0)
     paper = run("cce", inputs, grad_output, softcap=30.0, filter_correction=False)
     assert torch.equal(default.grad_e, paper.grad_e)
+
+
+# --- Rows where the model is sure of its target -------------------------------------------------
+
+# (tokens, vocabulary, D): the interpreter's sizes on CPU, a real vocabulary on a GPU.
+CONFIDENT_SHAPE = (4096, 131072, 256) if torch.cuda.is_available() else (64, 700, 64)
+
+
+def pytorch_errors(inputs: Inputs, grad_output: torch.Tensor, ref: Result) -> "dict[str, float]":
+    """Relative errors of F.cross_entropy on the logits ``e @ c.T`` in the inputs' dtype (float32
+    logits for float32 inputs, bfloat16 logits for 16-bit ones), as a PyTorch training step
+    computes them."""
+    e = inputs.e.detach().requires_grad_()
+    c = inputs.c.detach().requires_grad_()
+    loss = F.cross_entropy((e @ c.T).float(), inputs.targets, reduction="none")
+    grad_e, grad_c = torch.autograd.grad(loss, [e, c], grad_output)
+    return {"loss": relative_error(loss, ref.loss), "grad_e": relative_error(grad_e, ref.grad_e),
+            "grad_c": relative_error(grad_c, ref.grad_c)}
+
+
+@pytest.mark.parametrize("complement", [1e-3, 1e-6, 1e-9], ids=["1e-3", "1e-6", "1e-9"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("impl, options", [("cce", {}), ("cce", {"deterministic": True}),
+                                           ("cce_torch", {})],
+                         ids=["kernels", "kernels-deterministic", "chunked-torch"])
+def test_confident_rows_are_as_accurate_as_pytorch(impl: str, options: dict, dtype: torch.dtype,
+                                                   complement: float, device: str,
+                                                   gen: torch.Generator) -> None:
+    """Where the model is sure of the target (1 - p_target = ``complement``), the loss is about
+    1 - p_target and the gradient at the target is -(1 - p_target): neither may come from a
+    difference of two logit-sized numbers. Loss, dE and dC are at least as accurate as
+    PyTorch's on logits in the inputs' dtype, without filtering (whose error is its own)."""
+    num_tokens, vocab, dim = CONFIDENT_SHAPE
+    e, c, targets = confident_inputs(gen, device, dtype, num_tokens, vocab, dim, complement)
+    inputs = Inputs(e, c, targets)
+    grad_output = make_grad_output(gen, inputs, "none")
+    ref = run_reference(inputs, grad_output, reduction="none")
+    achieved = 1 - torch.exp(-ref.loss).median().item()
+    assert complement / 4 < achieved < complement * 4  # the inputs are what the test says
+    ours = run(impl, inputs, grad_output, reduction="none", filter_eps=None, **options)
+    theirs = pytorch_errors(inputs, grad_output, ref)
+    # As in the other tests: float32 sums at 1e-5, 16-bit gradients rounded to their dtype.
+    grad_floor = tolerances("cce", dtype)[1]
+    floor = {"loss": 1e-5, "grad_e": grad_floor, "grad_c": grad_floor}
+    errors = {"loss": relative_error(ours.loss, ref.loss),
+              "grad_e": relative_error(ours.grad_e, ref.grad_e),
+              "grad_c": relative_error(ours.grad_c, ref.grad_c)}
+    worse = {name: f"{error:.1e} > PyTorch's {theirs[name]:.1e}" for name, error in errors.items()
+             if not error <= max(theirs[name], floor[name])}
+    assert not worse, worse
 
 
 # --- Non-finite inputs ------------------------------------------------------------------------

@@ -160,7 +160,7 @@ def test_second_derivatives_are_refused(device: str, gen: torch.Generator) -> No
     loss = cce.linear_cross_entropy(e, inputs.c, inputs.targets, reduction="none",
                                     impl="cce_torch")
     (grad_e,) = torch.autograd.grad((loss * weights).sum(), e, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+    with pytest.raises(RuntimeError, match="differentiable once"):
         grad_e.sum().backward()
 
 

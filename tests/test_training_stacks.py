@@ -132,10 +132,10 @@ def test_ops_pass_torch_library_opcheck(filter_eps, softcap, smoothing, device: 
     forward_args = (e, c, bias, targets, None, softcap, filter_eps, True, True, smoothing, False,
                     False, True, True)
     torch.library.opcheck(loss_forward, forward_args, **TOLERANCES)
-    _, lse, order, tile_bound, curvature_sum, row_sum = loss_forward(*forward_args)
+    _, lse, *forward_outputs = loss_forward(*forward_args)
     grad_loss = make_grad_output(gen, inputs, "none")
-    backward_args = (inputs.e, inputs.c, inputs.bias, targets, None, lse.detach(), order,
-                     tile_bound, curvature_sum, row_sum, grad_loss, torch.zeros_like(grad_loss),
+    backward_args = (inputs.e, inputs.c, inputs.bias, targets, None, lse.detach(),
+                     *forward_outputs, grad_loss, torch.zeros_like(grad_loss),
                      softcap, filter_eps, True, smoothing, False, True, True)
     torch.library.opcheck(loss_backward, backward_args, **TOLERANCES)
 
@@ -176,26 +176,35 @@ def test_vmap_of_grad_gives_per_sample_gradients(device: str, gen: torch.Generat
 # --- Double backward ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("impl", ["cce", "cce_torch"])
 def test_double_backward_raises_instead_of_dropping_the_second_order_term(
-        device: str, gen: torch.Generator) -> None:
+        device: str, gen: torch.Generator, impl: str) -> None:
     """With create_graph=True the gradients are the right ones, but a term built on them (a
-    gradient penalty) cannot be differentiated through the loss: it raises, naming why."""
+    gradient penalty) cannot be differentiated through the loss: it raises, naming why, on the
+    kernels' path and on the chunked PyTorch path alike."""
     inputs = make_inputs(gen, device, torch.float32)
     e, c = _leaves(inputs.e, inputs.c)
-    grad_e, grad_c = torch.autograd.grad(cce.linear_cross_entropy(e, c, inputs.targets),
-                                         [e, c], create_graph=True)
+    grad_e, grad_c = torch.autograd.grad(
+        cce.linear_cross_entropy(e, c, inputs.targets, impl=impl), [e, c], create_graph=True)
     e_once, c_once = _leaves(inputs.e, inputs.c)
-    expected = torch.autograd.grad(cce.linear_cross_entropy(e_once, c_once, inputs.targets),
-                                   [e_once, c_once])
+    expected = torch.autograd.grad(
+        cce.linear_cross_entropy(e_once, c_once, inputs.targets, impl=impl), [e_once, c_once])
     assert torch.equal(grad_e, expected[0]) and torch.equal(grad_c, expected[1])
 
     penalty = grad_e.square().sum() + grad_c.square().sum()
     for wrt in (e, c):
         with pytest.raises(RuntimeError, match="differentiable once"):
             torch.autograd.grad(penalty, [wrt], retain_graph=True)
+    # The README's gradient penalty: backward() through it raises too, never a c.grad that
+    # silently lacks the penalty's part.
+    e, c = _leaves(inputs.e, inputs.c)
+    loss = cce.linear_cross_entropy(e, c, inputs.targets, impl=impl)
+    (grad_e,) = torch.autograd.grad(loss, [e], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        (loss + grad_e.square().sum()).backward()
 
     def loss(e):
-        return cce.linear_cross_entropy(e, inputs.c, inputs.targets)
+        return cce.linear_cross_entropy(e, inputs.c, inputs.targets, impl=impl)
 
     with pytest.raises(RuntimeError, match="differentiable once"):
         torch.func.grad(lambda e: torch.func.grad(loss)(e).square().sum())(inputs.e)
