@@ -68,8 +68,8 @@ def log_probability_bound(row_max, lse_lower, recorded_rows):
 @triton.jit
 def lse_forward_kernel(
     e_ptr, c_ptr, e_desc, c_desc, bias_ptr, targets_ptr, target_logit_ptr, vocab_order_ptr,
-    left_out_ptr, lse_ptr, locks_ptr, tile_bound_ptr, split_lse_ptr, head_lse_ptr,
-    class_weight_ptr, logit_sum_ptr, curvature_sum_ptr,
+    left_out_ptr, left_out_tiles_ptr, lse_ptr, locks_ptr, tile_bound_ptr, split_lse_ptr,
+    head_lse_ptr, class_weight_ptr, logit_sum_ptr, curvature_sum_ptr,
     num_tokens, vocab_size, dim, first_launch_block, last_launch_block, vocab_blocks_per_program,
     first_split, num_splits, stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
@@ -105,6 +105,7 @@ def lse_forward_kernel(
                                                           other=float("-inf")))
     if LEAVES_OUT:
         left_out = tl.load(left_out_ptr + rows, mask=row_mask, other=-1)
+        left_out_tiles = left_out_tiles_ptr + token_block * tl.cdiv(vocab_size, BLOCK_VOCAB)
     running_max = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
@@ -139,21 +140,17 @@ def lse_forward_kernel(
                 # sum_v w_v z_v^2, divided by softcap^2 once per row after the loop: the tanh^2
                 # of the pre-cap logits, with no tile-sized temporary of its own.
                 curvature_sum += tl.sum(weighted * logits, axis=1)
-        # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)), and
-        # so do the left-out entries; every tile is masked on the descriptor path, whose
-        # flattened loop takes no branch.
-        if LEAVES_OUT:
-            counted = ((vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB))[None, :]
-                       != left_out[:, None])
-            if BY_DESCRIPTOR:
-                counted = counted & vocab_mask[None, :]
-            elif holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
-                counted = counted & vocab_mask[None, :]
-            logits = tl.where(counted, logits, float("-inf"))
-        elif BY_DESCRIPTOR:
+        # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)); every
+        # tile is masked on the descriptor path, whose flattened loop takes no branch.
+        if BY_DESCRIPTOR:
             logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
         elif holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
             logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
+        if LEAVES_OUT:
+            # So do the left-out entries, in the few tiles that hold one.
+            if tl.load(left_out_tiles + vocab_block) != 0:
+                logits = tl.where((vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB))[None, :]
+                                  != left_out[:, None], logits, float("-inf"))
         if RECORD_TILE_BOUND and RECORDS_PER_TILE == 2:
             # The row maxima of each live-grid tile, by masking the other one's columns: the
             # LSE's row maxima are their maxima. (A reshape of the tile, or joining the two
@@ -263,6 +260,18 @@ def _descriptor_ready(x: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and tma_copies_rows(x))
 
 
+def _tiles_holding(positions: torch.Tensor, block_tokens: int, block_vocab: int,
+                   num_vocab_blocks: int) -> torch.Tensor:
+    """int8 (token blocks x forward vocabulary blocks, row-major, then one spare entry): 1 where
+    a row's position (``positions``, int32 (N,), -1 for none) falls in the tile."""
+    num_tiles = triton.cdiv(positions.shape[0], block_tokens) * num_vocab_blocks
+    tiles = torch.zeros(num_tiles + 1, dtype=torch.int8, device=positions.device)
+    rows = torch.arange(positions.shape[0], device=positions.device)
+    index = (rows // block_tokens) * num_vocab_blocks + positions // block_vocab
+    # Rows with no position mark the spare entry: no host sync to leave them out.
+    return tiles.index_fill_(0, torch.where(positions >= 0, index, num_tiles), 1)
+
+
 class _Launch(NamedTuple):
     """One launch of the forward kernel: forward tiles [first_block, last_block) of the order,
     each token block's shared by programs of ``blocks_per_program`` tiles."""
@@ -344,12 +353,15 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         c_desc = TensorDescriptor.from_tensor(c_by_position,
                                               [config.block_vocab, config.block_dim])
     head_lse = torch.full_like(target_logit, float("-inf")) if head else None
+    left_out_tiles = (_tiles_holding(left_out, config.block_tokens, config.block_vocab,
+                                     num_vocab_blocks) if left_out is not None else None)
     first_split = 0
     for launch in launches:
         if first_split:
             torch.logsumexp(split_lse[0, :first_split], dim=0, out=head_lse)
         lse_forward_kernel[(num_token_blocks * launch.splits,)](
-            e, c, e_desc, c_desc, bias, targets, target_logit, vocab_order, left_out, lse, locks,
+            e, c, e_desc, c_desc, bias, targets, target_logit, vocab_order, left_out,
+            left_out_tiles, lse, locks,
             tile_bound, split_lse, head_lse, class_weight, logit_sum, curvature_sum, num_tokens,
             vocab_size, dim, launch.first_block, launch.last_block, launch.blocks_per_program,
             first_split, num_splits,
