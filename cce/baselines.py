@@ -22,11 +22,12 @@ NUM_CHUNKS = 8
 
 def materialized_logits(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                         softcap: Optional[float]) -> torch.Tensor:
-    """float32 (N, V) logits, rounded to the input dtype first as Hugging Face's are."""
+    """float32 (N, V) logits, rounded to the input dtype first as Hugging Face's are (float64
+    ones for float64 inputs)."""
     logits = e @ c.T
     if bias is not None:
         logits = logits + bias
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return logits

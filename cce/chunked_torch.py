@@ -6,8 +6,9 @@ about ``CHUNK_LOGIT_BYTES``, exists at a time. The forward keeps only its inputs
 log-sum-exp (LSE); the backward recomputes each chunk's logits and turns them into that chunk's
 logit gradient, which it multiplies into dE, dC and dbias at once.
 
-The logits are products of float32 copies of the inputs: a product of two 16-bit numbers is
-exact in float32, so only float32 accumulation error remains, as in the Triton kernels. A
+The logits are products of float32 copies of the inputs (float64 for float64 inputs, whose
+loss and LSE are float64 too): a product of two 16-bit numbers is exact in float32, so only
+float32 accumulation error remains, as in the Triton kernels. A
 16-bit matmul would round every logit to the input dtype (and on a CPU it cannot return float32).
 """
 
@@ -39,6 +40,11 @@ def chunked_torch_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     loss, lse, _ = ChunkedLinearCrossEntropy.apply(e, c, bias, targets, softcap,
                                                    weighting.weight, weighting.label_smoothing)
     return loss, lse
+
+
+def compute_dtype(e: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs."""
+    return torch.promote_types(e.dtype, torch.float32)
 
 
 def chunk_rows(vocab_size: int) -> int:
@@ -83,11 +89,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, softcap: Optional[float], weight: Optional[torch.Tensor],
                 label_smoothing: float):
-        c32, bias32 = c.float(), None if bias is None else bias.float()
+        compute = compute_dtype(e)
+        c32, bias32 = c.to(compute), None if bias is None else bias.to(compute)
         num_tokens = e.shape[0]
         # The LSE of each row's non-target logits, for 1 - p_y to full precision
         # (cce.weighting).
-        other_lse = torch.empty(num_tokens, dtype=torch.float32, device=e.device)
+        other_lse = torch.empty(num_tokens, dtype=compute, device=e.device)
         target_logit = torch.empty_like(other_lse)
         # sum_v weight[v] * logit[v] of every row, for label smoothing (cce.weighting).
         logit_sum = torch.empty_like(other_lse) if label_smoothing else None
@@ -96,7 +103,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         rows = chunk_rows(c.shape[0])
         for start in range(0, num_tokens, rows):
             chunk = slice(start, start + rows)
-            logits, _ = _chunk_logits(e[chunk].float(), c32, bias32, softcap)
+            logits, _ = _chunk_logits(e[chunk].to(compute), c32, bias32, softcap)
             if logit_sum is not None:
                 logit_sum[chunk] = (logits.sum(dim=1) if weight is None
                                     else logits @ weight)
@@ -144,7 +151,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # have the lse's term.
         scales = LossWeighting(weight, ctx.label_smoothing).gradient_scales(
             grad_loss, targets, c.shape[0])
-        scales = scales._replace(softmax=scales.softmax + grad_lse.float())
+        compute = compute_dtype(e)
+        scales = scales._replace(softmax=scales.softmax + grad_lse.to(compute))
         prob_scale = scales.softmax.unsqueeze(1)
         # Ignored rows keep their column 0's softmax entry.
         has_target = (targets >= 0).unsqueeze(1)
@@ -153,23 +161,23 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         uniform_weight = None
         if uniform_scale is not None:
             uniform_scale = uniform_scale.unsqueeze(1)
-            uniform_weight = (torch.ones(c.shape[0], dtype=torch.float32, device=c.device)
+            uniform_weight = (torch.ones(c.shape[0], dtype=compute, device=c.device)
                               if weight is None else weight)
         # The softmax is exp(logits - lse); where the lse is +inf, PyTorch's softmax is NaN on
         # the whole row (every logit minus an infinite maximum), not only at the +inf logits.
         softmax_shift = lse.masked_fill(lse == math.inf, math.nan).unsqueeze(1)
         scatter_index = targets.clamp(min=0).unsqueeze(1)
 
-        c32, bias32 = c.float(), None if bias is None else bias.float()
+        c32, bias32 = c.to(compute), None if bias is None else bias.to(compute)
         grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device) if needs_grad_e else None
-        grad_c32 = torch.zeros(c.shape, dtype=torch.float32, device=c.device) if needs_grad_c \
+        grad_c32 = torch.zeros(c.shape, dtype=compute, device=c.device) if needs_grad_c \
             else None
-        grad_bias32 = torch.zeros(c.shape[0], dtype=torch.float32, device=c.device) \
+        grad_bias32 = torch.zeros(c.shape[0], dtype=compute, device=c.device) \
             if needs_grad_bias else None
         rows = chunk_rows(c.shape[0])
         for start in range(0, e.shape[0], rows):
             chunk = slice(start, start + rows)
-            e32 = e[chunk].float()
+            e32 = e[chunk].to(compute)
             logits, capped = _chunk_logits(e32, c32, bias32, softcap)
             grad_logits = logits.sub_(softmax_shift[chunk]).exp_().mul_(prob_scale[chunk])
             at_target = grad_logits.gather(1, scatter_index[chunk])

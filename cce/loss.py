@@ -3,9 +3,10 @@
 Every implementation (the CCE kernels and the baselines) computes the same thing from the same
 canonical inputs: ``e`` as (N, D), ``c`` as (V, D), ``targets`` as (N,) int64 with -1 at ignored
 positions, and the class weights and label smoothing as a :class:`cce.weighting.LossWeighting`
-(weights float32). It returns F.cross_entropy's per-token loss (``reduction="none"``) and the
-log-sum-exp as float32 (N,) tensors. Reduction and the reshaping back to ``targets``' shape happen
-here, once, for all of them.
+(weights in the compute dtype: float32, float64 for float64 inputs). It returns
+F.cross_entropy's per-token loss (``reduction="none"``) and the log-sum-exp as (N,) tensors of
+the compute dtype. Reduction and the reshaping back to ``targets``' shape happen here, once, for
+all of them.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ def kernels_or_chunked_torch(e: torch.Tensor, c: torch.Tensor, targets: torch.Te
                              filter_eps: Optional[float], vocab_sorting: bool,
                              filter_correction: bool, weighting: LossWeighting = LossWeighting(),
                              **kernel_options: bool) -> "tuple[torch.Tensor, torch.Tensor]":
-    """impl="cce": the Triton kernels where they run (:func:`cce.config.kernels_run_on`), else
-    the same loss with exact gradients in chunked PyTorch operations, on the inputs' device
-    (which are deterministic and recompute once, so ``kernel_options`` do not apply)."""
-    if kernels_run_on(e.device):
+    """impl="cce": the Triton kernels where they run (:func:`cce.config.kernels_run_on`) and
+    take the dtype (16 and 32 bits), else the same loss with exact gradients in chunked PyTorch
+    operations, on the inputs' device (which are deterministic and recompute once, so
+    ``kernel_options`` do not apply)."""
+    if kernels_run_on(e.device) and e.dtype in KERNEL_DTYPES:
         return cce_loss(e, c, targets, bias, softcap, filter_eps, vocab_sorting,
                         filter_correction, weighting, **kernel_options)
     return chunked_torch_loss(e, c, targets, bias, softcap, filter_eps, vocab_sorting,
@@ -54,7 +56,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "chunked": baselines.chunked_loss,
 }
 REDUCTIONS = ("mean", "sum", "none")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The dtypes the kernels take, which are also those autocast casts (never float64).
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
 TARGET_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64,
                  torch.uint8, torch.uint16, torch.uint32, torch.uint64)
 _INTEGERS = (int, np.integer)  # numpy integer scalars too, as F.cross_entropy accepts
@@ -91,14 +95,18 @@ def linear_cross_entropy(
 
     Same result as ``F.cross_entropy(e @ c.T + bias, targets, weight=..., ignore_index=...,
     reduction=..., label_smoothing=...)`` (with ``softcap * tanh(logits / softcap)`` first when
-    ``softcap`` is given), computed in float32. The loss is float32 whatever the input dtype.
+    ``softcap`` is given), computed in float32: the loss and lse are float32 for 16- and 32-bit
+    inputs. float64 inputs are computed in float64, and give a float64 loss and lse, as in
+    F.cross_entropy.
 
     Args:
-        e: embeddings, shape (..., D), float32/float16/bfloat16 (D = 0 gives the logits
-            ``bias``, or 0, as ``e @ c.T`` does).
-        c: classifier, shape (V, D), same dtype and device as ``e``. Under torch.autocast on
-            their device, e, c and bias are first cast to the autocast dtype, as F.linear would
-            cast them; each still gets its gradient in its own dtype.
+        e: embeddings, shape (..., D), float32/float16/bfloat16, or float64 (which impl "cce"
+            computes on the chunked PyTorch path: the kernels are 16/32-bit). D = 0 gives the
+            logits ``bias``, or 0, as ``e @ c.T`` does.
+        c: classifier, shape (V, D), same dtype and device as ``e``: a tensor (for an
+            ``nn.Linear``, its ``.weight``). Under torch.autocast on their device, e, c and bias
+            are first cast to the autocast dtype, as F.linear would cast them (float64 stays
+            float64); each still gets its gradient in its own dtype.
         targets: integer tensor (any signed or unsigned integer dtype) of shape
             ``e.shape[:-1]``, values in [0, V) or ``ignore_index``
             (else ``ValueError``; under torch.compile or CUDA graph capture, where the host
@@ -113,9 +121,10 @@ def linear_cross_entropy(
         shift: position i is scored against ``targets[..., i + shift]``; the last ``shift``
             positions count as ignored (next-token prediction without slicing ``e``), and the
             first ``shift`` targets are not used (nor range-checked).
-        filter_eps: gradient filtering threshold: skip backward tiles whose softmax entries are
-            all below it. "auto" is 2^-12 for bfloat16 (finfo(dtype).eps / 32 in general);
-            None disables filtering (exact gradients).
+        filter_eps: gradient filtering threshold in (0, 1): skip backward tiles whose softmax
+            entries are all below it. "auto" is 2^-12 for bfloat16 (finfo(dtype).eps / 32 in
+            general); None disables filtering (exact gradients). Only the kernels filter: the
+            chunked PyTorch path and the baselines compute exact gradients and ignore it.
         vocab_sorting: order backward tiles by average logit so that skipped tiles are common.
         filter_correction: with filtering, add what the filter dropped back to the gradient of
             ``e``, as each row's dropped probability mass times the mean row of ``c`` (not in
@@ -131,8 +140,9 @@ def linear_cross_entropy(
             (8 compiled chunks, torchtune-style).
         weight: class weights, shape (V,), as in F.cross_entropy: each token's loss is scaled
             by its target's weight, and with label smoothing the uniform part is weighted too.
-            Any floating-point dtype, whatever the dtype of ``e`` (the loss uses it in
-            float32); on the device of ``e``; not differentiable (must not require grad).
+            Any floating-point dtype, whatever the dtype of ``e`` (the loss uses it in the
+            compute dtype, float32 or float64); on the device of ``e``; not differentiable
+            (must not require grad).
         label_smoothing: in [0, 1], as in F.cross_entropy: the target distribution is
             ``(1 - label_smoothing) * onehot + label_smoothing / V``. Its gradient reaches every
             classifier row, but in closed form: the filter still skips the tiles it would skip
@@ -156,8 +166,9 @@ def linear_cross_entropy(
             ``bias``) are rows ``[start, stop)`` of the full classifier, ``e`` and ``targets``
             (global ids) the same on every rank. Every rank gets the loss (and lse) of the
             whole vocabulary and the full gradient of ``e``; ``c`` and ``bias`` get their
-            shard's. Collective: every rank of the group must call it. impl "cce" or "torch";
-            not with ``weight``, ``label_smoothing``, ``keep_tiles`` or ``deterministic``.
+            shard's. Collective: every rank of the group must call it. impl "cce" or "torch"
+            (float64: "torch" for both); not with ``weight``, ``label_smoothing``,
+            ``keep_tiles`` or ``deterministic``.
 
     Returns:
         The loss, or ``(loss, lse)`` when ``return_lse`` is True.
@@ -169,14 +180,17 @@ def linear_cross_entropy(
         deterministic = torch.are_deterministic_algorithms_enabled()
     if vocab_parallel is not None:
         _check_vocab_parallel_options(weight, label_smoothing, deterministic, keep_tiles)
-    vocab_size = c.shape[0] if vocab_parallel is None else check_shards(vocab_parallel, e, c)
+        vocab_size = check_shards(vocab_parallel, e, c)  # first: every rank raises alike
     e, c, bias = _cast_as_linear_would(e, c, bias)
     _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
                      vocab_sorting, filter_correction, impl, weight, label_smoothing)
+    if vocab_parallel is None:
+        vocab_size = c.shape[0]
     eps = default_filter_eps(e.dtype) if filter_eps == "auto" else filter_eps
     kernel_options = ({"deterministic": deterministic, "keep_tiles": keep_tiles}
                       if impl == "cce" else {})
-    weighting = LossWeighting(None if weight is None else weight.float().contiguous(),
+    compute_dtype = torch.promote_types(e.dtype, torch.float32)
+    weighting = LossWeighting(None if weight is None else weight.to(compute_dtype).contiguous(),
                               float(label_smoothing))
 
     canonical_targets, out_of_range = _canonical_targets(targets, operator.index(ignore_index),
@@ -325,8 +339,8 @@ _AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps", "hpu", "xla", "mtia")
 def _cast_as_linear_would(e, c, bias):
     """Under torch.autocast on e's device, e, c and bias in the autocast dtype, as F.linear
     would multiply them (autocast casts a matmul's float16/bfloat16/float32 inputs on its
-    device); else unchanged. The casts are differentiable: each leaf gets its gradient in its
-    own dtype."""
+    device, never float64 ones); else unchanged. The casts are differentiable: each leaf gets
+    its gradient in its own dtype."""
     if not isinstance(e, torch.Tensor):
         return e, c, bias  # the argument checks say why
     device_type = e.device.type
@@ -337,7 +351,7 @@ def _cast_as_linear_would(e, c, bias):
     dtype = torch.get_autocast_dtype(device_type)
 
     def cast(tensor):
-        eligible = (isinstance(tensor, torch.Tensor) and tensor.dtype in FLOAT_DTYPES
+        eligible = (isinstance(tensor, torch.Tensor) and tensor.dtype in KERNEL_DTYPES
                     and tensor.device.type == device_type)
         return tensor.to(dtype) if eligible else tensor
 
@@ -353,11 +367,14 @@ def _holds_no_data(tensor: torch.Tensor) -> bool:
 
 def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
                      vocab_sorting, filter_correction, impl, weight, label_smoothing) -> None:
+    if isinstance(c, nn.Module):
+        raise ValueError(f"c must be a tensor, got the module {type(c).__name__}: pass its "
+                         "weight, c=module.weight (and bias=module.bias if it has one)")
     for name, tensor in (("e", e), ("c", c), ("targets", targets)):
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if e.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"e must be float32, float16 or bfloat16, got {e.dtype}")
+        raise ValueError(f"e must be float32, float16, bfloat16 or float64, got {e.dtype}")
     if e.dim() < 1:
         raise ValueError("e must have shape (..., D)")
     if c.dim() != 2:
@@ -421,10 +438,10 @@ def _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_so
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if isinstance(shift, bool) or not isinstance(shift, int) or shift < 0:
         raise ValueError(f"shift must be an int >= 0, got {shift!r}")
-    if filter_eps not in ("auto", None) and not (
-        _is_number(filter_eps) and math.isfinite(filter_eps) and filter_eps > 0
-    ):
-        raise ValueError(f"filter_eps must be 'auto', None or a positive float, got {filter_eps!r}")
+    # A softmax entry is at most 1: a threshold of 1 or more would filter every tile.
+    if filter_eps not in ("auto", None) and not (_is_number(filter_eps) and 0 < filter_eps < 1):
+        raise ValueError(f"filter_eps must be 'auto', None or a float in (0, 1), got "
+                         f"{filter_eps!r}")
     if not isinstance(vocab_sorting, bool):
         raise ValueError(f"vocab_sorting must be a bool, got {vocab_sorting!r}")
     if not isinstance(filter_correction, bool):

@@ -260,16 +260,28 @@ def _descriptor_ready(x: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and tma_copies_rows(x))
 
 
+@triton.jit
+def mark_tiles_kernel(positions_ptr, tiles_ptr, num_tokens, num_vocab_blocks,
+                      BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
+                      BLOCK_ROWS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    positions = tl.load(positions_ptr + rows, mask=rows < num_tokens, other=-1)
+    tiles = (rows // BLOCK_TOKENS).to(tl.int64) * num_vocab_blocks + positions // BLOCK_VOCAB
+    tl.store(tiles_ptr + tiles, 1, mask=positions >= 0)  # every writer writes 1: no race
+
+
 def _tiles_holding(positions: torch.Tensor, block_tokens: int, block_vocab: int,
                    num_vocab_blocks: int) -> torch.Tensor:
-    """int8 (token blocks x forward vocabulary blocks, row-major, then one spare entry): 1 where
-    a row's position (``positions``, int32 (N,), -1 for none) falls in the tile."""
-    num_tiles = triton.cdiv(positions.shape[0], block_tokens) * num_vocab_blocks
-    tiles = torch.zeros(num_tiles + 1, dtype=torch.int8, device=positions.device)
-    rows = torch.arange(positions.shape[0], device=positions.device)
-    index = (rows // block_tokens) * num_vocab_blocks + positions // block_vocab
-    # Rows with no position mark the spare entry: no host sync to leave them out.
-    return tiles.index_fill_(0, torch.where(positions >= 0, index, num_tiles), 1)
+    """int8 (token blocks x forward vocabulary blocks), row-major: 1 where a row's position
+    (``positions``, int32 (N,), -1 for none) falls in the tile. One launch where PyTorch would
+    take eight: at small N the forward's time is mostly the host's."""
+    num_tokens = positions.shape[0]
+    tiles = torch.zeros(triton.cdiv(num_tokens, block_tokens) * num_vocab_blocks,
+                        dtype=torch.int8, device=positions.device)
+    mark_tiles_kernel[(triton.cdiv(num_tokens, 1024),)](
+        positions, tiles, num_tokens, num_vocab_blocks, BLOCK_TOKENS=block_tokens,
+        BLOCK_VOCAB=block_vocab, BLOCK_ROWS=1024)
+    return tiles
 
 
 class _Launch(NamedTuple):

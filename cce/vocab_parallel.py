@@ -293,7 +293,8 @@ class _SumGradientOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # A copy: the incoming gradient may be another node's too, never reduce it in place.
-        total = grad.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        total = grad.to(torch.promote_types(grad.dtype, torch.float32),
+                        memory_format=torch.contiguous_format, copy=True)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
         return total.to(grad.dtype), None
 

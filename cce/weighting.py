@@ -70,7 +70,7 @@ class RankOneTerm(NamedTuple):
 class LossWeighting(NamedTuple):
     """F.cross_entropy's ``weight`` and ``label_smoothing`` (already checked by cce.loss)."""
 
-    weight: Optional[torch.Tensor] = None  # float32 (V,); None: every class weighs 1
+    weight: Optional[torch.Tensor] = None  # (V,), compute dtype; None: every class weighs 1
     label_smoothing: float = 0.0
 
     def to(self, device: torch.device) -> "LossWeighting":
@@ -123,7 +123,8 @@ class LossWeighting(NamedTuple):
                         vocab_size: int) -> GradientScales:
         """The factors of the gradient of ``sum(grad_loss * loss)`` with respect to the logits
         (module docstring); 0 at ignored tokens (``targets`` -1)."""
-        grad = torch.where(targets >= 0, grad_loss.float(), 0.0)
+        grad = torch.where(targets >= 0,
+                           grad_loss.to(torch.promote_types(grad_loss.dtype, torch.float32)), 0.0)
         smoothing = self.label_smoothing
         target = grad * ((1 - smoothing) * self.target_weight(targets))
         if not smoothing:
@@ -139,8 +140,9 @@ def lse_and_cross_entropy(other_lse: torch.Tensor, target_logit: torch.Tensor,
     logit (module docstring). A row with a +inf logit has a NaN loss, as in PyTorch, whose
     log_softmax subtracts the row's maximum first (inf - inf)."""
     lse = torch.where(targets >= 0, torch.logaddexp(other_lse, target_logit), other_lse)
-    # log(1 + exp(O - z_y)): the cross-entropy to its last bit where p_y is near 1.
-    cross_entropy = torch.nn.functional.softplus(other_lse - target_logit)
+    # log(1 + exp(O - z_y)): the cross-entropy to its last bit where p_y is near 1 (and, past
+    # softplus's default threshold of 20, where it is float64).
+    cross_entropy = torch.nn.functional.softplus(other_lse - target_logit, threshold=40)
     return lse, torch.where(lse == float("inf"), float("nan"), cross_entropy)
 
 

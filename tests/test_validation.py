@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import cce
 from tests.reference import reference, relative_error
@@ -56,11 +57,14 @@ BAD_ARGUMENTS: "list[tuple[str, Change, tuple[str, ...]]]" = [
     ("D-mismatch", lambda a: a.update(c=torch.randn(V, D + 1, device=a["e"].device)),
      ("c", "e")),
     ("dtype-mismatch", lambda a: a.update(c=a["c"].half()), ("c", "e")),
-    ("e-float64", lambda a: a.update(e=a["e"].double(), c=a["c"].double()), ("e",)),
     ("e-integer", lambda a: a.update(e=a["e"].long(), c=a["c"].long()), ("e",)),
     ("c-device", lambda a: a.update(c=a["c"].to("meta")), ("c", "e")),
     ("targets-device", lambda a: a.update(targets=a["targets"].to("meta")), ("targets",)),
     ("c-not-2d", lambda a: a.update(c=a["c"][None]), ("c",)),
+    ("c-module", lambda a: a.update(c=nn.Linear(D, V, device=a["e"].device)), ("c",)),
+    ("c-list", lambda a: a.update(c=a["c"].tolist()), ("c",)),
+    ("e-numpy", lambda a: a.update(e=a["e"].cpu().numpy()), ("e",)),
+    ("targets-list", lambda a: a.update(targets=a["targets"].tolist()), ("targets",)),
     ("targets-float", lambda a: a.update(targets=a["targets"].float()), ("targets",)),
     ("targets-bool", lambda a: a.update(targets=a["targets"] > 0), ("targets",)),
     ("targets-complex", lambda a: a.update(targets=a["targets"].to(torch.complex64)),
@@ -78,12 +82,17 @@ BAD_ARGUMENTS: "list[tuple[str, Change, tuple[str, ...]]]" = [
     ("filter_eps-negative", lambda a: a.update(filter_eps=-1e-3), ("filter_eps",)),
     ("filter_eps-nan", lambda a: a.update(filter_eps=math.nan), ("filter_eps",)),
     ("filter_eps-string", lambda a: a.update(filter_eps="none"), ("filter_eps",)),
+    # A softmax entry is at most 1: a threshold of 1 or more would filter everything.
+    ("filter_eps-one", lambda a: a.update(filter_eps=1.0), ("filter_eps",)),
+    ("filter_eps-huge", lambda a: a.update(filter_eps=1e9), ("filter_eps",)),
+    ("filter_eps-inf", lambda a: a.update(filter_eps=math.inf), ("filter_eps",)),
     ("bias-too-long", lambda a: a.update(bias=torch.zeros(V + 1, device=a["e"].device)),
      ("bias",)),
     ("bias-2d", lambda a: a.update(bias=torch.zeros(1, V, device=a["e"].device)), ("bias",)),
     ("bias-dtype", lambda a: a.update(bias=torch.zeros(V, device=a["e"].device).half()),
      ("bias",)),
     ("bias-device", lambda a: a.update(bias=torch.zeros(V, device="meta")), ("bias",)),
+    ("bias-module", lambda a: a.update(bias=nn.Linear(D, V, device=a["e"].device)), ("bias",)),
     ("softcap-zero", lambda a: a.update(softcap=0.0), ("softcap",)),
     ("softcap-negative", lambda a: a.update(softcap=-30.0), ("softcap",)),
     ("ignore_index-float", lambda a: a.update(ignore_index=-100.0), ("ignore_index",)),
@@ -106,6 +115,20 @@ def test_bad_argument_raises_value_error_naming_it(change: Change, arguments_nam
     change(arguments)
     with pytest.raises(ValueError, match=names(*arguments_named)):
         call(arguments)
+
+
+def test_module_as_classifier_says_to_pass_its_weight(device: str) -> None:
+    """An nn.Linear is not its weight: the message says what to pass instead."""
+    arguments = valid_arguments(device)
+    arguments["c"] = nn.Linear(D, V, device=device)
+    with pytest.raises(ValueError, match=names("c")) as error:
+        call(arguments)
+    assert ".weight" in str(error.value)
+
+
+@pytest.mark.parametrize("filter_eps", [1e-9, 0.5, 1 - 1e-9])
+def test_filter_eps_below_one_is_accepted(filter_eps: float, device: str) -> None:
+    assert torch.isfinite(call(valid_arguments(device), filter_eps=filter_eps))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -191,6 +214,7 @@ def test_targets_that_shift_drops_are_not_checked(impl: str, device: str) -> Non
 
 @pytest.mark.parametrize("option, value", [("reduction", "avg"), ("impl", "triton"),
                                            ("shift", -1), ("filter_eps", 0.0),
+                                           ("filter_eps", 1.0), ("filter_eps", 1e9),
                                            ("filter_correction", None)])
 def test_module_checks_options_when_constructed(option: str, value) -> None:
     """LinearCrossEntropy rejects a bad option at construction, naming it."""
