@@ -101,7 +101,7 @@ def tokenless_loss(e: torch.Tensor, c: torch.Tensor,
     """The per-token loss and LSE of no tokens: zero-size outputs that still connect every
     input to the graph."""
     connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
-    empty = e.new_zeros(0, dtype=torch.float32) + connected * 0
+    empty = e.new_zeros(0, dtype=torch.promote_types(e.dtype, torch.float32)) + connected * 0
     return empty, empty.clone()
 
 
