@@ -66,8 +66,9 @@ import torch
 from cce.integrations.transformers import patch
 from experiments.alpaca_data import (IGNORE_INDEX, add_data_argument, load_alpaca,
                                      tokenize_examples)
-from experiments.harness import (DEVICE, ON_GPU, WrittenResults, add_run_arguments, device_name,
-                                 finish, log, progress, run_experiment, run_mode, write_results)
+from experiments.harness import (DEVICE, ON_GPU, WrittenResults, add_run_arguments, device_label,
+                                 environment, finish, log, progress, run_experiment, run_mode,
+                                 shown_method, write_results)
 from experiments.real_model import load_model
 
 if TYPE_CHECKING:
@@ -83,6 +84,9 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     "cce_no_filter": {"impl": "cce", "filter_eps": None},
 }
 BASELINE = "torch_compile"
+# Those that run cce's Triton kernels (in Triton's interpreter on a CPU).
+KERNEL_IMPLEMENTATIONS = tuple(name for name, options in IMPLEMENTATIONS.items()
+                               if options["impl"] == "cce")
 # Curves that coincide stay visible: the baseline dashed, the exact CCE dotted.
 STYLES = {"cce": dict(color="#1f77b4", linestyle="-"),
           "torch_compile": dict(color="black", linestyle="--"),
@@ -294,7 +298,7 @@ def run(quick: bool, out_dir: Path, *, steps: Optional[int] = None, seeds: Optio
                 log(f"{name}: FAILED at {errors[name]}")
             else:
                 results[name].append(result)
-                log(f"{name}, seed {seed}: loss {result.losses[0]:.4f} -> "
+                log(f"{_shown(name)}, seed {seed}: loss {result.losses[0]:.4f} -> "
                     f"{result.losses[-1]:.4f}, median step "
                     f"{statistics.median(result.step_ms):.1f} ms, "
                     f"{time.perf_counter() - start_s:.1f} s")
@@ -310,10 +314,11 @@ def run(quick: bool, out_dir: Path, *, steps: Optional[int] = None, seeds: Optio
             for name in impls]
     meta = _meta(setup, model, steps, seeds, len(examples))
     details = {"runs": [asdict(result) for runs in completed.values() for result in runs]}
-    written = write_results(NAME, rows, meta, out_dir, details=details)
+    written = write_results(NAME, rows, meta, out_dir, details=details,
+                            kernel_methods={"implementation": KERNEL_IMPLEMENTATIONS})
     plot(completed, out_dir / FIGURE,
          title=f"{setup.description}: training loss on Alpaca, seeds 0..{seeds - 1} "
-               f"({device_name()})")
+               f"({device_label(environment())})")
     return written
 
 
@@ -367,6 +372,12 @@ def _describe_options(name: str) -> str:
     return ", ".join(f"{key}={value!r}" for key, value in IMPLEMENTATIONS[name].items())
 
 
+def _shown(name: str) -> str:
+    """An implementation as the console and the figure name it: "cce (interpreter)" where
+    cce's kernels ran in Triton's interpreter."""
+    return shown_method(name) if name in KERNEL_IMPLEMENTATIONS else name
+
+
 def _meta(setup: TrainingSetup, model: str, steps: int, seeds: int,
           num_examples: int) -> dict[str, Any]:
     warmup_steps = math.ceil(WARMUP_RATIO * steps)
@@ -411,9 +422,10 @@ def plot(completed: dict[str, list[RunResult]], path: Path, title: str) -> None:
     for name, runs in completed.items():
         losses = loss_matrix(runs)
         steps = torch.arange(1, losses.shape[1] + 1)
-        _band(curves, steps, losses, name, label=f"{name} ({_describe_options(name)})")
+        _band(curves, steps, losses, name, label=f"{_shown(name)} ({_describe_options(name)})")
         if baseline is not None and name != BASELINE:
-            _band(differences, steps, losses - baseline, name, label=f"{name} - {BASELINE}")
+            _band(differences, steps, losses - baseline, name,
+                  label=f"{_shown(name)} - {BASELINE}")
     curves.set_xlabel("step")
     curves.set_ylabel("training loss (mean over the batch's response tokens)")
     curves.set_title("(a) loss per step, not smoothed: mean over seeds, band = min to max")

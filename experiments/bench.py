@@ -752,7 +752,8 @@ def bench_figure(results: dict[str, Any]) -> Any:
                            fontsize=11, loc="left")
     legend = {label: handle for axis in axes[:, 0]
               for handle, label in zip(*axis.get_legend_handles_labels())}
-    drawn.legend(legend.values(), legend.keys(), loc="outside right upper", fontsize=10)
+    # Centred: clear of the title.
+    drawn.legend(legend.values(), legend.keys(), loc="outside right center", fontsize=10)
     drawn.suptitle(f"Linear cross-entropy, bfloat16, log scale ({device_label(env)})",
                    fontsize=12)
     return drawn

@@ -77,7 +77,8 @@ def compare(size: ProblemSize, dtype: torch.dtype, out_dir: Path) -> WrittenResu
         "memory": "peak MB above the inputs, outputs included (dE, dC for fwd_bwd); GPU only",
         "errors": "||out - ref|| / ||ref|| against float64 PyTorch on the same inputs",
     }
-    return write_results(NAME, rows, meta, out_dir)
+    return write_results(NAME, rows, meta, out_dir, kernel_methods={
+        "variant": [variant.name for variant in variants() if variant.impl == "cce"]})
 
 
 def _measure(variant: Variant, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,

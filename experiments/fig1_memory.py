@@ -290,8 +290,9 @@ def _plot(models: dict[str, Breakdown], path: Path) -> None:
     axes[0].legend(loc="upper center", bbox_to_anchor=(1.1, -0.08), ncol=3, fontsize=11,
                    frameon=False)
     # No device ran anything: the figure names the GPUs that the model is of.
-    figure.suptitle(f"Training memory at the maximum batch size: an analytic model of {GPUS} "
-                    f"GPUs of {GPU_GIB} GB (computed, not measured)", fontsize=13)
+    figure.suptitle(f"Training memory at the maximum batch size on {GPUS} GPUs of {GPU_GIB} GB\n"
+                    "analytic, not measured: the bytes of the tensors each method holds",
+                    fontsize=13, y=1.04)  # above the panels' titles (the save fits it in)
     figure.subplots_adjust(wspace=0.18)  # room for the batch-size labels between the panels
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)

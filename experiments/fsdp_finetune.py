@@ -34,10 +34,12 @@ import argparse
 import copy
 import datetime
 import gc
+import json
 import math
 import os
 import statistics
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -50,7 +52,8 @@ from experiments.alpaca_data import IGNORE_INDEX, add_data_argument, load_alpaca
 from experiments.alpaca_finetune import (FINAL_STEPS, MAX_GRAD_NORM, REAL_MODEL, SETUPS,
                                          TINY_MODEL, WARMUP_RATIO, load, trainable_examples,
                                          training_batches, training_step)
-from experiments.harness import exit_rank, gather_from_ranks, log, progress, write_results
+from experiments.harness import (INTERPRETER_CAVEAT, device_label, exit_rank, gather_from_ranks,
+                                 kernels_interpreted, log, progress, write_results)
 
 NAME = "fsdp_finetune"
 FIGURE = "fsdp_finetune.png"
@@ -97,6 +100,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     device = _init_process_group()
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and kernels_interpreted():  # before any step time reaches the console
+        log(f"{NAME}: {INTERPRETER_CAVEAT}")
     try:
         if setup.batch_size % world_size:
             raise ValueError(f"the batch of {setup.batch_size} sequences does not split over "
@@ -119,7 +124,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       if run.mode == "single"]
             sharded = [run for run in runs if run.mode == "fsdp"]  # the same on every rank
             report(single + sharded, args.out, model_name, steps, seeds, args.repeats, world_size,
-                   len(examples), device)
+                   len(examples))
             log(f"wrote {args.out}/{NAME}.json, .md and {FIGURE}")
     finally:
         dist.destroy_process_group()
@@ -220,10 +225,9 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 
 
 def report(runs: list[RunResult], out_dir: Path, model_name: str, steps: int, seeds: int,
-           repeats: int, world_size: int, num_examples: int, device: torch.device) -> None:
+           repeats: int, world_size: int, num_examples: int) -> None:
     """Rows per mode, the spread and the FSDP difference, the figure."""
-    reference = {run.seed: torch.tensor(run.losses, dtype=torch.float64) for run in runs
-                 if run.mode == "single" and run.repeat == 0}
+    reference = _first_single_losses(runs)
     rows = []
     for mode in ("single", "fsdp"):
         chosen = [run for run in runs if run.mode == mode]
@@ -268,49 +272,70 @@ def report(runs: list[RunResult], out_dir: Path, model_name: str, steps: int, se
         "figure": FIGURE,
     }
     details = {"runs": [asdict(run) for run in runs]}
-    write_results(NAME, rows, meta, out_dir, details=details)
-    plot(runs, reference, out_dir / FIGURE, world_size, device)
+    plot(write_results(NAME, rows, meta, out_dir, details=details).json_path)
 
 
-def plot(runs: list[RunResult], reference: dict[int, torch.Tensor], path: Path,
-         world_size: int, device: torch.device) -> None:
-    """(a) loss per step of every run; (b) each run minus the first single-GPU run, same seed."""
+def _first_single_losses(runs: list[RunResult]) -> dict[int, torch.Tensor]:
+    """Seed -> the losses of its first single-GPU run, against which every other run of the
+    seed is paired."""
+    return {run.seed: torch.tensor(run.losses, dtype=torch.float64) for run in runs
+            if run.mode == "single" and run.repeat == 0}
+
+
+def plot(json_path: Path, path: Optional[Path] = None) -> None:
+    """Draw ``fsdp_finetune.png`` (or ``path``) from a written ``fsdp_finetune.json``: (a) the
+    loss per step of every run; (b) each run minus the first single-GPU run of its seed. Every
+    line is in a legend entry: one per seed for its single-GPU runs, one for its FSDP run."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: the figure only goes to a file
     import matplotlib.pyplot as plt
 
-    figure, (curves, differences) = plt.subplots(1, 2, figsize=(15, 5.5))
+    results = json.loads(json_path.read_text())
+    runs = [RunResult(**run) for run in results["details"]["runs"]]
+    reference = _first_single_losses(runs)
+    world_size = results["meta"]["ranks"]
+    single_runs = Counter(run.seed for run in runs if run.mode == "single")
+    figure, (curves, differences) = plt.subplots(1, 2, figsize=(15, 6.5), layout="constrained")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    labelled = set()
+    # Per panel, (sharded, seed) -> a line of that group, for its legend entry.
+    groups: tuple[dict[tuple[int, bool], Any], ...] = ({}, {})
     for run in runs:
         color = colors[run.seed % len(colors)]
-        style = "-" if run.mode == "fsdp" else ":"
-        label = (f"FSDP2, {world_size} GPUs" if run.mode == "fsdp"
-                 else "one GPU (repeats)")
-        key = (run.mode, run.seed)
+        group = (run.mode == "fsdp", run.seed)
         steps = range(1, len(run.losses) + 1)
-        curves.plot(steps, run.losses, style, color=color, linewidth=1.2,
-                    label=f"{label}, seed {run.seed}" if key not in labelled else None)
+        if run.mode == "fsdp":
+            style, label = "-", f"FSDP2, {world_size} GPUs, seed {run.seed}"
+            difference_label = label
+        else:
+            count = single_runs[run.seed]
+            style, label = ":", f"one GPU, {count} run{'s' * (count > 1)}, seed {run.seed}"
+            later = "run 2" if count == 2 else f"runs 2-{count}"
+            difference_label = f"one GPU, {later}, seed {run.seed}"
+        groups[0][group], = curves.plot(steps, run.losses, style, color=color, linewidth=1.2,
+                                        label=label)
         if not (run.mode == "single" and run.repeat == 0):
             difference = torch.tensor(run.losses, dtype=torch.float64) - reference[run.seed]
-            differences.plot(steps, difference, style, color=color, linewidth=1.2,
-                             label=f"{label}, seed {run.seed}" if key not in labelled else None)
-        labelled.add(key)
+            groups[1][group], = differences.plot(steps, difference, style, color=color,
+                                                 linewidth=1.2, label=difference_label)
     curves.set_title("(a) training loss per step, not smoothed")
     curves.set_ylabel("loss (mean over the batch's response tokens)")
     differences.axhline(0, color="black", linewidth=0.8)
     differences.set_title("(b) minus the first single-GPU run of the same seed")
     differences.set_ylabel("loss difference")
-    for axis in (curves, differences):
+    for axis, lines in zip((curves, differences), groups):
         axis.set_xlabel("step")
         axis.grid(True, alpha=0.3)
-        axis.legend(fontsize=8)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    figure.suptitle(f"Gemma 3 fine-tuning on Alpaca with cce's loss: FSDP2 over {world_size} "
-                    f"ranks against one GPU ({name})")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+        # The single-GPU groups in the first column, the FSDP runs in the second.
+        shown = [line for _, line in sorted(lines.items())]
+        axis.legend(shown, [line.get_label() for line in shown], fontsize=10, ncol=2,
+                    loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    # A quick run's tiny random model is no Gemma 3 270M.
+    model = results["meta"]["model"].split(":")[0]
+    model = "Gemma 3 270M" if model == REAL_MODEL else f"SMOKE TEST: {model}"
+    figure.suptitle(f"{model} fine-tuning on Alpaca with cce's loss: FSDP2 over {world_size} "
+                    f"ranks against one GPU ({device_label(results['environment'])})")
+    figure.savefig(path or json_path.with_name(FIGURE), dpi=110)
     plt.close(figure)
 
 

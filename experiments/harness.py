@@ -19,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, NoReturn, Optional, TypeVar
+from typing import Any, Callable, Collection, Iterable, NoReturn, Optional, TypeVar
 
 import torch
 
@@ -66,6 +66,26 @@ def device_label(env: dict[str, Any]) -> str:
         return env["device"]
     interpreter = " (Triton interpreter)" if env.get("triton_interpret") else ""
     return f"CPU{interpreter}: not GPU timings"
+
+
+INTERPRETER_CAVEAT = ("CPU run: cce's kernels run in Triton's interpreter (a CPU emulator, "
+                      "thousands of times slower than a GPU): timings are not GPU speed")
+
+
+def kernels_interpreted(env: Optional[dict[str, Any]] = None) -> bool:
+    """Whether cce's Triton kernels ran in Triton's interpreter, in the process whose
+    :func:`environment` is ``env`` (None: this one)."""
+    env = environment() if env is None else env
+    return env["device"] == "cpu" and bool(env.get("triton_interpret"))
+
+
+def shown_method(name: str, env: Optional[dict[str, Any]] = None) -> str:
+    """A method that runs cce's Triton kernels as the console, reports and figures name it:
+    "cce (interpreter)", "cce (filter_eps=None, interpreter)" where :func:`kernels_interpreted`,
+    else ``name``, so that no interpreter timing passes for a kernel's."""
+    if not kernels_interpreted(env):
+        return name
+    return f"{name[:-1]}, interpreter)" if name.endswith(")") else f"{name} (interpreter)"
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, files: str) -> None:
@@ -132,6 +152,8 @@ def run_experiment(name: str, out_dir: Path, run: Callable[[], WrittenResults]
     An exception is logged with its traceback and becomes a failed outcome, so that one
     experiment's failure does not hide the results of those after it.
     """
+    if kernels_interpreted():  # before any timing reaches the console
+        log(f"{name}: {INTERPRETER_CAVEAT}")
     before, start_s = file_times(out_dir), time.perf_counter()
     try:
         written = run()
@@ -387,7 +409,9 @@ def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
                   out_dir: Path = Path("results"), device_dependent: bool = True,
                   group_by: Optional[str] = None,
                   details: Optional[dict[str, Any]] = None,
-                  measured_in: Optional[dict[str, Any]] = None) -> WrittenResults:
+                  measured_in: Optional[dict[str, Any]] = None,
+                  kernel_methods: Optional[dict[str, Collection[str]]] = None
+                  ) -> WrittenResults:
     """Write ``<out_dir>/<name>.json`` (rows, meta, environment) and ``<out_dir>/<name>.md``.
 
     A row that failed carries an ``"error"`` string; the returned object lists them so that
@@ -397,6 +421,8 @@ def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
     ``details`` go to the JSON file only, under "details": data too long for the report
     (per-step curves). ``measured_in``: the :func:`environment` of the process that measured
     the rows, when it was another one (results merged elsewhere); default this one's.
+    ``kernel_methods``: column -> the names in it of methods that run cce's Triton kernels,
+    which the Markdown shows as :func:`shown_method` does (the JSON keeps the names).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     env = measured_in or environment()
@@ -405,7 +431,10 @@ def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any],
     if details is not None:
         contents["details"] = details
     json_path.write_text(json.dumps(contents, indent=2) + "\n")
-    markdown = _markdown_report(name, rows, meta, env, device_dependent, group_by)
+    kernel_names = kernel_methods or {}
+    shown_rows = [{key: shown_method(value, env) if value in kernel_names.get(key, ()) else value
+                   for key, value in row.items()} for row in rows]
+    markdown = _markdown_report(name, shown_rows, meta, env, device_dependent, group_by)
     markdown_path = out_dir / f"{name}.md"
     markdown_path.write_text(markdown)
     errors = [str(row["error"]) for row in rows if row.get("error")]
@@ -442,6 +471,31 @@ def exit_rank(status: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def label_log_axis(axis: Any, which: str = "y") -> None:
+    """Ticks of a log-scale axis of a matplotlib Axes at 1, 2 and 5 times the powers of ten in
+    its range (more steps in a narrow range, fewer in a wide one), labelled as plain numbers
+    (0.5, 20, 100) and without minor labels: read at a glance, unlike 10^1 and 3 x 10^1."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    low, high = axis.get_ylim() if which == "y" else axis.get_xlim()
+    decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+
+    def ticks(steps: tuple[float, ...]) -> list[float]:
+        return [step * 10.0**power for power in decades for step in steps
+                if low <= step * 10.0**power <= high]
+
+    spanned = math.log10(high / low)
+    chosen = ticks((1, 2, 5) if spanned <= 2.5 else (1, 3) if spanned <= 4 else (1,))
+    if len(chosen) < 4:
+        chosen = ticks((1, 1.5, 2, 3, 5, 7))
+    if len(chosen) < 2:  # a range too narrow for these steps: matplotlib's own ticks
+        return
+    ruler = axis.yaxis if which == "y" else axis.xaxis
+    ruler.set_major_locator(FixedLocator(chosen))
+    ruler.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ruler.set_minor_formatter(NullFormatter())
 
 
 def progress(items: Iterable[T], description: str, total: Optional[int] = None,

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from experiments.bench import (DTYPE, MIB, Shape, add_repeats_argument, describe_timing,
-                               measure_shape, timing)
+from experiments.bench import (DTYPE, KERNEL_METHODS, MIB, Shape, add_repeats_argument,
+                               describe_timing, measure_shape, timing)
 from experiments.alpaca_data import add_data_argument
 from experiments.harness import (ON_GPU, WrittenResults, add_run_arguments, add_sections,
                                  device_label, environment, finish, log, markdown_table,
-                                 progress, run_experiment, run_mode, write_results)
+                                 progress, run_experiment, run_mode, shown_method,
+                                 write_results)
 from experiments.paper_numbers import PAPER_SETUP, PAPER_TABLES, PaperRow
 
 LOSS_BYTES = 4  # the loss's output buffer: one float32 (reduction="mean")
@@ -58,6 +59,8 @@ ROWS: tuple[Row, ...] = (
     Row("Baseline", "torch", "Baseline"),
 )
 METHODS = tuple(row.method for row in ROWS if row.method is not None)
+# The rows of cce's Triton kernels, which run in Triton's interpreter on a CPU.
+KERNEL_ROWS = tuple(row.label for row in ROWS if row.method in KERNEL_METHODS)
 
 # The paper's columns (PaperRow's fields) and the harness.measure_loss key behind each.
 COLUMNS: dict[str, str] = {
@@ -110,8 +113,10 @@ def build_table(name: str, blocks: Sequence[Block], quick: bool, out_dir: Path, 
                                        data_path=data_path)
         # "real" or "synthetic LM-like ...", without the details and reasons after it.
         data = info["data"].split(":")[0].split(" (")[0]
-        heading = (f"{block.model}: {shape.name} (N={info['n_tokens']}, "
-                   f"V={info['vocab_size']}, D={info['dim']}), data: {data}")
+        sizes = f"N={info['n_tokens']}, V={info['vocab_size']}, D={info['dim']}"
+        # A quick run measures one tiny shape for every model: the heading says so.
+        heading = (f"{block.model} shrunk to {sizes} ({shape.name} shape), data: {data}"
+                   if quick else f"{block.model}: {shape.name} ({sizes}), data: {data}")
         block_info[block.model] = {"heading": heading, "shape": shape.name, **info}
         by_method = {row["method"]: row for row in measured}
         rows += [_table_row(heading, row, by_method.get(row.method, {}), info["gradients_mb"],
@@ -145,8 +150,9 @@ def build_table(name: str, blocks: Sequence[Block], quick: bool, out_dir: Path, 
                     "benchmark measured in the same process are reused",
         **(notes or {}),
     }
-    written = write_results(name, rows, meta, out_dir, group_by="block")
-    written = add_sections(written, {"blocks": block_info}, _inputs_section(block_info))
+    written = write_results(name, rows, meta, out_dir, group_by="block",
+                            kernel_methods={"method": KERNEL_ROWS})
+    written = add_sections(written, {"blocks": block_info}, _inputs_section(block_info, quick))
     _plot(rows, block_info, quick, out_dir / f"{name}.png", name)
     return written
 
@@ -166,9 +172,9 @@ def _table_row(heading: str, row: Row, measured: dict[str, Any], gradients_mb: f
     return result
 
 
-def _inputs_section(block_info: dict[str, dict[str, Any]]) -> list[str]:
+def _inputs_section(block_info: dict[str, dict[str, Any]], quick: bool) -> list[str]:
     return ["## Inputs", "", *markdown_table([
-        {"model": model, "shape": info["shape"],
+        {"model": f"{model} (shrunk)" if quick else model, "shape": info["shape"],
          "N x V x D": f"{info['n_tokens']} x {info['vocab_size']} x {info['dim']}",
          "rows in the loss": info["valid_tokens"], "data": info["data"],
          "live 128 x 128 tiles, sorted": f"{info['sparsity']['tiles_nonempty_sorted']:.1%}"}
@@ -207,6 +213,7 @@ def table_figure(rows: list[dict[str, Any]], block_info: dict[str, dict[str, Any
     groups = _plot_groups(block_info, quick)
     by_key = {(row["block"], row["method"]): row for row in rows}
     methods = [row.label for row in ROWS if row.method is not None]
+    shown = {label: shown_method(label) for label in KERNEL_ROWS}
     width = 0.8 / len(methods)
     colors = plt.get_cmap("tab10").colors
     panels = [("loss_gradient_ms", "ms")] + ([("loss_gradient_mb", "MB")] if ON_GPU else [])
@@ -221,7 +228,7 @@ def table_figure(rows: list[dict[str, Any]], block_info: dict[str, dict[str, Any
                 x = position - 0.4 + width * (index + 0.5)
                 if row.get(column) is not None:
                     axis.bar(x, row[column], width, color=colors[index % len(colors)],
-                             label=method if position == 0 else None)
+                             label=shown.get(method, method) if position == 0 else None)
                 if with_paper and row.get(f"{column}_paper") is not None:
                     axis.plot(x, row[f"{column}_paper"], marker="_", markersize=10,
                               color="black", linestyle="none", label=paper_label)

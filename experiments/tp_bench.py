@@ -55,11 +55,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cce
-from experiments.harness import (add_sections, exit_rank, gather_from_ranks, markdown_table,
-                                 write_results)
+from experiments.harness import (INTERPRETER_CAVEAT, add_sections, device_label, exit_rank,
+                                 gather_from_ranks, kernels_interpreted, label_log_axis, log,
+                                 markdown_table, shown_method, write_results)
 from experiments.synthetic import lm_like_inputs
 
 MIB = 2**20
+GB = 10**9  # the figure's unit, the README's
 DTYPE = torch.bfloat16
 TOKENS = (8192, 16384, 32768, 65536)
 QUICK_TOKENS = (48, 96)
@@ -149,6 +151,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--tokens must be >= 1, --warmup >= 0 and --repeats >= 1")
 
     ranks = _init_ranks(args.backend)
+    if ranks.rank == 0 and kernels_interpreted():  # before any timing reaches the console
+        log(f"tp_bench: {INTERPRETER_CAVEAT}")
     try:
         rows, checks = [], []
         for name in shapes:
@@ -423,6 +427,7 @@ def plot(out_dir: Path) -> None:
 
     matplotlib.use("Agg")  # no display: the figure only goes to a file
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     runs = sorted((json.loads(path.read_text()) for path in out_dir.glob("tp_bench_tp*.json")),
                   key=lambda run: run["meta"]["tp_size"])
@@ -442,28 +447,38 @@ def plot(out_dir: Path) -> None:
                 if not rows:
                     continue
                 tokens = [row["tokens"] for row in rows]
-                label = f"{method}, TP {size}{shared}"
+                shown = shown_method(method, run["environment"]) if method == "cce" else method
+                label = f"{shown}, TP {size}{shared}"
                 marker = "o" if method == "cce" else "s"
                 axes[0, column].plot(tokens, [row["ms"] for row in rows], style, marker=marker,
                                      color=color, label=label)
                 if all("peak_mib_max" in row for row in rows):
-                    axes[1, column].plot(tokens, [row["peak_mib_max"] / 1024 for row in rows],
-                                         style, marker=marker, color=color, label=label)
+                    gigabytes = [row["peak_mib_max"] * MIB / GB for row in rows]
+                    axes[1, column].plot(tokens, gigabytes, style, marker=marker, color=color,
+                                         label=label)
     for column, shape in enumerate(shapes):
         axes[0, column].set_title(f"{shape}: loss + gradients, slowest rank")
         axes[0, column].set_ylabel("ms (median)")
         axes[1, column].set_title(f"{shape}: peak memory of the busiest rank")
-        axes[1, column].set_ylabel("GiB above the inputs")
+        axes[1, column].set_ylabel("GB above the inputs (1 GB = 10⁹ bytes)")
         for axis in axes[:, column]:
+            if not axis.lines:  # memory on a CPU
+                axis.text(0.5, 0.5, "not measured (GPU only)", ha="center",
+                          transform=axis.transAxes)
+                axis.set_axis_off()
+                continue
+            tokens = sorted({int(x) for line in axis.lines for x in line.get_xdata()})
             axis.set_xscale("log", base=2)
+            axis.set_xticks(tokens, [str(n) for n in tokens])
+            axis.xaxis.set_minor_locator(NullLocator())
             axis.set_yscale("log")
+            label_log_axis(axis)
             axis.set_xlabel("tokens N")
-            axis.grid(True, which="both", alpha=0.3)
-            if axis.lines:
-                axis.legend(fontsize=8)
+            axis.grid(True, which="major", alpha=0.3)
+            axis.legend(fontsize=10)
     environment = runs[-1]["environment"]
-    figure.suptitle(f"Vocabulary-parallel cce vs loss_parallel, bfloat16 "
-                    f"({environment.get('device', '?')}, {str(environment.get('date', ''))[:10]})")
+    figure.suptitle(f"Vocabulary-parallel cce vs loss_parallel, bfloat16\n"
+                    f"{device_label(environment)}, {environment['date'][:10]}")
     figure.tight_layout()
     figure.savefig(out_dir / FIGURE, dpi=110)
     plt.close(figure)

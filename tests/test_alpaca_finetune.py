@@ -65,13 +65,17 @@ def test_quick_run_writes_every_implementation_and_seed(quick_run) -> None:
 
 
 def test_quick_run_says_it_is_a_smoke_test_on_its_device(quick_run) -> None:
-    from experiments.harness import device_name
+    from experiments.harness import ON_GPU, device_label, environment
 
     written, data, titles = quick_run
     assert "SMOKE TEST, NOT THE EXPERIMENT" in data["meta"]["model"]
     assert "SMOKE TEST, NOT THE EXPERIMENT" in written.markdown
     assert len(titles) == 1
-    assert "SMOKE TEST" in titles[0] and f"({device_name()})" in titles[0]
+    assert "SMOKE TEST" in titles[0] and f"({device_label(environment())})" in titles[0]
+    # On a CPU, cce's rows name the interpreter that ran its kernels; torch.compile's do not.
+    assert ("| cce (interpreter) |" in written.markdown) == (not ON_GPU)
+    assert ("| cce_no_filter (interpreter) |" in written.markdown) == (not ON_GPU)
+    assert "| torch_compile |" in written.markdown
 
 
 def test_implementations_start_from_the_same_weights_on_the_same_batches(quick_run) -> None:

@@ -61,7 +61,19 @@ def test_quick_mode_writes_a_finite_row_for_every_method(tmp_path: Path) -> None
             assert row[column] > 0, (row["method"], column)
     statuses = {check["status"] for check in results["targets"]}
     assert statuses <= {"MET", "MISSED", "NOT MEASURED"}
-    assert "## Targets" in written.markdown and "| cce |" in written.markdown
+    assert "## Targets" in written.markdown
+    # On a CPU the report and the figure name cce's kernels with the interpreter that ran them.
+    interpreted = not torch.cuda.is_available()
+    assert ("| quick | cce (interpreter) |" in written.markdown) == interpreted
+    assert ("| quick | cce |" in written.markdown) != interpreted
+    assert "| quick | torch_compile |" in written.markdown
+    import matplotlib.pyplot as plt
+
+    figure = bench.bench_figure(results)
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert ("cce (interpreter)" in legend) == interpreted and "torch_compile" in legend
+    assert ("cce (keep_tiles=True, interpreter)" in legend) == interpreted
+    plt.close(figure)
 
     frozen = shapes["quick_frozen"]
     assert frozen["frozen_classifier"] and not shapes["quick"]["frozen_classifier"]
@@ -72,6 +84,33 @@ def test_quick_mode_writes_a_finite_row_for_every_method(tmp_path: Path) -> None
     assert "fwd+bwd memory <= dE + dC + 1% + 16 MB" in frozen_targets
     assert any(target.startswith("dE error") for target in frozen_targets)
     assert not any(target.startswith("dC") for target in frozen_targets)
+
+
+def test_the_committed_figure_reads_on_a_laptop_screen() -> None:
+    """bench.png from results/bench.json: at most 12 x 7.5 inches, no text under 10 pt, a panel
+    for the shapes of every method and one for those of cce and torch.compile alone, every
+    method in the legend."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    from experiments import bench
+    from experiments.harness import REPOSITORY
+
+    results = json.loads((REPOSITORY / "results" / "bench.json").read_text())
+    figure = bench.bench_figure(results)
+    figure.canvas.draw()
+
+    width, height = figure.get_size_inches()
+    assert width <= 12 and height <= 7.5
+    sizes = [text.get_fontsize() for text in figure.findobj(Text) if text.get_text()]
+    assert min(sizes) >= 10
+    time_panels = [axis for axis in figure.axes if axis.get_ylabel()]
+    assert len(time_panels) == 2
+    assert all(len(axis.get_xticklabels()) == 5 for axis in time_panels)
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert set(legend) == {row["method"] for row in results["rows"]} | {"one GEMM e @ c.T"}
+    plt.close(figure)
 
 
 def test_sparsity_statistics_match_brute_force() -> None:

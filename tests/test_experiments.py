@@ -22,6 +22,7 @@ ERROR_COLUMNS = ("loss_rel_err", "de_rel_err", "dc_rel_err")
 def test_compare_impls_writes_a_finite_accurate_row_for_every_variant(tmp_path: Path) -> None:
     import cce
     from experiments import compare_impls
+    from experiments.harness import shown_method
 
     written = compare_impls.compare(compare_impls.ProblemSize(**TINY_SIZE), torch.float32,
                                     tmp_path)
@@ -39,9 +40,14 @@ def test_compare_impls_writes_a_finite_accurate_row_for_every_variant(tmp_path: 
     assert [row["variant"] for row in rows] == [v.name for v in compare_impls.variants()]
     # float32 against float64: only rounding. On a GPU the kernels' dots may use TF32.
     tolerance = 5e-3 if torch.cuda.is_available() else 1e-5
+    if not torch.cuda.is_available():  # the report names the interpreter, the JSON the variant
+        assert "| cce (interpreter) |" in markdown
+        assert "| cce (filter_eps=None, interpreter) |" in markdown
+        assert "| cce_torch |" in markdown and "| torch |" in markdown
     for row in rows:
         assert "error" not in row, row
-        assert f"| {row['variant']} |" in markdown
+        shown = shown_method(row["variant"]) if row["impl"] == "cce" else row["variant"]
+        assert f"| {shown} |" in markdown
         for column in ERROR_COLUMNS:
             assert math.isfinite(row[column]) and row[column] < tolerance, (row["variant"], column)
         for column in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"):
@@ -52,11 +58,16 @@ def test_compare_impls_writes_a_finite_accurate_row_for_every_variant(tmp_path: 
 def test_cpu_results_say_loudly_that_they_are_not_gpu_timings(tmp_path: Path) -> None:
     from experiments.harness import write_results
 
-    written = write_results("smoke", [{"variant": "x", "fwd_ms": 1.5, "error": "Boom: a|b"}],
-                            {"n_tokens": 1}, tmp_path)
+    written = write_results("smoke", [{"variant": "x", "fwd_ms": 1.5, "error": "Boom: a|b"},
+                                      {"variant": "y", "fwd_ms": 2.5}],
+                            {"n_tokens": 1}, tmp_path, kernel_methods={"variant": ["y"]})
 
     assert "NOT GPU TIMINGS" in written.markdown
     assert "| x | 1.5 | Boom: a\\|b |" in written.markdown
+    # A method of cce's kernels is named with the interpreter in the report, not in the JSON.
+    assert "| y (interpreter) | 2.5 |" in written.markdown
+    assert [row["variant"] for row in json.loads(written.json_path.read_text())["rows"]] == [
+        "x", "y"]
     assert written.errors == ["Boom: a|b"]
 
 
@@ -135,7 +146,11 @@ def test_quick_runs_write_to_a_scratch_folder_and_end_with_a_summary(
     assert sorted(path.name for path in (tmp_path / "quick").iterdir()) == [
         "fig1_memory.json", "fig1_memory.md", "fig1_memory.png"]
     assert not (tmp_path / "results").exists()
-    lines = capsys.readouterr().out.splitlines()
+    output = capsys.readouterr()
+    # On a CPU, each experiment starts by saying what its timings are not.
+    assert (f"fig1_memory: {harness.INTERPRETER_CAVEAT}" in output.err) == (not harness.ON_GPU)
+    assert "thousands of times slower than a GPU" in harness.INTERPRETER_CAVEAT
+    lines = output.out.splitlines()
     assert len(lines) == 2
     name, seconds, unit, status, *files = lines[0].split()
     assert (name, unit, status) == ("fig1_memory", "s", "ok") and float(seconds) >= 0
@@ -218,3 +233,39 @@ def test_timing_figures_name_the_device_that_measured() -> None:
         assert device_label(environment()) == "CPU (Triton interpreter): not GPU timings"
     # A report merged or redrawn on another machine names the device of its measurements.
     assert device_label({**environment(), "device": "a GPU"}) == "a GPU"
+
+
+def test_methods_of_cces_kernels_are_named_with_the_interpreter_where_it_ran_them() -> None:
+    from experiments.harness import environment, shown_method
+
+    interpreted = {**environment(), "device": "cpu", "triton_interpret": True}
+    assert shown_method("cce", interpreted) == "cce (interpreter)"
+    assert shown_method("cce (filter_eps=None)",
+                        interpreted) == "cce (filter_eps=None, interpreter)"
+    assert shown_method("CCE (ours)", interpreted) == "CCE (ours, interpreter)"
+    for elsewhere in ({**interpreted, "device": "a GPU"},
+                      {**interpreted, "triton_interpret": False}):
+        assert shown_method("cce", elsewhere) == "cce"
+
+
+def test_log_axes_are_labelled_with_plain_numbers() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from experiments.harness import label_log_axis
+
+    figure, axis = plt.subplots()
+    axis.plot([1, 2], [0.7, 75])
+    axis.set_yscale("log")
+    axis.set_ylim(0.6, 80)
+    label_log_axis(axis)
+    figure.canvas.draw()
+    assert [label.get_text() for label in axis.get_yticklabels()] == [
+        "1", "2", "5", "10", "20", "50"]
+    assert not any(label.get_text() for label in axis.get_yticklabels(minor=True))
+    axis.set_ylim(24, 400)  # under two decades: finer steps
+    label_log_axis(axis)
+    figure.canvas.draw()
+    assert [label.get_text() for label in axis.get_yticklabels()] == [
+        "30", "50", "70", "100", "150", "200", "300"]
+    plt.close(figure)

@@ -23,15 +23,22 @@ DISAGREEING = {("GPT 2", "weights_mb")}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, list[str]]:
+    """The written folder, the JSON file and the titles of the figure."""
+    from tests.helpers import saved_figure_titles
+
     out_dir = tmp_path_factory.mktemp("results")
-    written = fig1_memory.run(quick=True, out_dir=out_dir)
+    with saved_figure_titles() as titles:
+        written = fig1_memory.run(quick=True, out_dir=out_dir)
     assert written.errors == []
-    return out_dir, json.loads(written.json_path.read_text())
+    return out_dir, json.loads(written.json_path.read_text()), titles
 
 
-def test_writes_json_markdown_and_a_png_with_a_row_per_model(results: tuple[Path, dict]) -> None:
-    out_dir, data = results
+def test_writes_json_markdown_and_a_png_with_a_row_per_model(
+        results: tuple[Path, dict, list[str]]) -> None:
+    out_dir, data, titles = results
+    # Nothing was measured: the figure says so.
+    assert len(titles) == 1 and "analytic, not measured" in titles[0]
     markdown = (out_dir / "fig1_memory.md").read_text()
     assert (out_dir / "fig1_memory.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     names = [row["model"] for row in data["rows"]]
@@ -42,8 +49,8 @@ def test_writes_json_markdown_and_a_png_with_a_row_per_model(results: tuple[Path
 
 
 @pytest.mark.parametrize("column", COMPARED)
-def test_agrees_with_table_a3_within_5_percent_where_claimed(results: tuple[Path, dict],
-                                                              column: str) -> None:
+def test_agrees_with_table_a3_within_5_percent_where_claimed(
+        results: tuple[Path, dict, list[str]], column: str) -> None:
     for row in results[1]["rows"]:
         difference = abs(row[column] - row[f"{column}_paper"]) / row[f"{column}_paper"]
         if (row["model"], column) in DISAGREEING:
@@ -53,7 +60,8 @@ def test_agrees_with_table_a3_within_5_percent_where_claimed(results: tuple[Path
                                          row[f"{column}_paper"])
 
 
-def test_every_difference_beyond_5_percent_is_explained(results: tuple[Path, dict]) -> None:
+def test_every_difference_beyond_5_percent_is_explained(
+        results: tuple[Path, dict, list[str]]) -> None:
     for row in results[1]["rows"]:
         differs = any(abs(row[f"{column}_diff_pct"]) > 5 for column in COMPARED)
         assert row["within_5pct"] is not differs

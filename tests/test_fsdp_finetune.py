@@ -42,3 +42,29 @@ def test_sharded_training_follows_the_single_device_run(tmp_path: Path) -> None:
     assert first["losses"][0] != first["losses"][-1]
     assert fsdp["max_abs_diff_vs_single_run_0"] < 1e-4, fsdp
     assert (tmp_path / "fsdp_finetune.png").stat().st_size > 0
+
+
+def test_every_line_of_the_committed_figure_is_in_its_legend(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsdp_finetune.png from results/fsdp: each panel's legend has an entry (color and style)
+    for every line drawn, the single-GPU repeats included."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from experiments import fsdp_finetune
+    from experiments.harness import REPOSITORY
+
+    figures: list[Figure] = []
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: figures.append(figure))
+    fsdp_finetune.plot(REPOSITORY / "results" / "fsdp" / "fsdp_finetune.json")
+
+    (figure,) = figures
+    for axis in figure.axes:
+        legend = axis.get_legend()
+        entries = {(handle.get_color(), handle.get_linestyle()) for handle in legend.legend_handles}
+        # Every line but the zero line of panel (b), which is black.
+        drawn = {(line.get_color(), line.get_linestyle()) for line in axis.lines
+                 if line.get_color() != "black"}
+        assert drawn == entries and len(entries) == 6, (drawn, entries)
+        labels = [text.get_text() for text in legend.get_texts()]
+        assert sum(label.startswith("one GPU") for label in labels) == 3

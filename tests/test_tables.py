@@ -90,9 +90,13 @@ def test_every_block_has_every_row_and_the_papers_three_columns(quick_run: Run, 
 
     blocks = blocks_of(results)
     assert list(results["blocks"]) == MODELS[table]
+    size = f"N={TINY['n_tokens']}, V={TINY['vocab_size']}, D={TINY['dim']}"
+    shape = "quick_removed" if table == "table_a1" else "quick"
     for model, heading in zip(MODELS[table], blocks):
-        assert heading.startswith(f"{model}: quick")
+        # Every model's block measures the one tiny shape: its heading names what was run.
+        assert heading.startswith(f"{model} shrunk to {size} ({shape} shape), data: ")
         assert f"## {heading}" in markdown
+        assert f"| {model} (shrunk) | {shape} |" in markdown
         assert [row["method"] for row in blocks[heading]] == [row.label for row in ROWS]
         for row in blocks[heading]:
             assert set(COLUMNS) <= set(row)
@@ -101,6 +105,10 @@ def test_every_block_has_every_row_and_the_papers_three_columns(quick_run: Run, 
     assert results["blocks"][MODELS[table][0]]["data"].startswith("synthetic")
     if not torch.cuda.is_available():
         assert "NOT GPU TIMINGS" in markdown
+        # The rows of cce's kernels name the interpreter that ran them; the JSON keeps the label.
+        assert "| CCE (ours, interpreter) |" in markdown
+        assert "| CCE (no vocab sorting, interpreter) |" in markdown
+        assert "| torch.compile |" in markdown
 
 
 @pytest.mark.parametrize("table", TABLES)
@@ -128,6 +136,7 @@ def test_quick_figures_label_the_shape_run_and_leave_the_papers_numbers_out(
     assert not any(model in labels[0] for model in MODELS[table])
     legend = [text.get_text() for text in figure.axes[-1].get_legend().get_texts()]
     assert "torch.compile" in legend and not any("paper" in entry for entry in legend)
+    assert ("CCE (ours, interpreter)" in legend) == (not ON_GPU)
     plt.close(figure)
 
 
