@@ -186,6 +186,8 @@ def linear_cross_entropy(
                      vocab_sorting, filter_correction, impl, weight, label_smoothing)
     if vocab_parallel is None:
         vocab_size = c.shape[0]
+        if vocab_size == 0:  # a shard may hold no rows, but the vocabulary holds some
+            raise ValueError("c must have at least one row (vocabulary entry)")
     eps = default_filter_eps(e.dtype) if filter_eps == "auto" else filter_eps
     kernel_options = ({"deterministic": deterministic, "keep_tiles": keep_tiles}
                       if impl == "cce" else {})
@@ -379,8 +381,6 @@ def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shif
         raise ValueError("e must have shape (..., D)")
     if c.dim() != 2:
         raise ValueError(f"c must have shape (V, D), got {tuple(c.shape)}")
-    if c.shape[0] == 0:
-        raise ValueError("c must have at least one row (vocabulary entry)")
     if c.shape[1] != e.shape[-1]:
         raise ValueError(f"c has D={c.shape[1]} but e has D={e.shape[-1]}: the last dimensions "
                          "must match")
