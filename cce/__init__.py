@@ -1,5 +1,6 @@
 """Cut Cross-Entropy: linear + cross-entropy loss without materializing the logit matrix."""
 
+import importlib
 import warnings
 
 from cce.config import interpreting
@@ -21,3 +22,11 @@ from cce.vocab_parallel import VocabParallelOptions
 __all__ = ["IMPLEMENTATIONS", "LinearCrossEntropy", "VocabParallelOptions",
            "linear_cross_entropy"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # cce.integrations (and through it cce.integrations.transformers) after a bare `import cce`,
+    # imported on first use: transformers stays unimported until then.
+    if name == "integrations":
+        return importlib.import_module("cce.integrations")
+    raise AttributeError(f"module 'cce' has no attribute {name!r}")

@@ -8,7 +8,7 @@ torch.compile sees one opaque op per pass instead of tracing into the kernels' l
 output (the vocabulary order without sorting, the tile bounds without a filtering backward, the
 curvature sum without a softcap, smoothing and a backward, a gradient nobody needs) is an empty
 tensor. The gradients are differentiable once: differentiating them raises
-(:func:`cce.second_order.differentiable_once`).
+(:func:`cce.autograd.differentiable_once`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from cce.backward import linear_cross_entropy_backward
 from cce.config import check_interpreter_usable, kernel_configs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
-from cce.second_order import differentiable_once
+from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
 from cce.live_tiles import live_tiles
 from cce.vocab_order import sort_vocabulary, target_positions
 from cce.weighting import (LossWeighting, RankOneTerm, lse_and_cross_entropy, target_complement,
@@ -88,21 +88,6 @@ def uses_mass_correction(filter_correction: bool, filter_eps: Optional[float],
     """Whether dE gets back what the filter dropped: with filtering and no softcap, whose
     derivative the dropped entries' mass does not carry (:mod:`cce.sparse_tile_matmul`)."""
     return filter_correction and filter_eps is not None and softcap is None
-
-
-def needs_gradient(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether a backward will follow: grad mode on and some input requiring grad."""
-    return torch.is_grad_enabled() and any(
-        tensor is not None and tensor.requires_grad for tensor in tensors)
-
-
-def tokenless_loss(e: torch.Tensor, c: torch.Tensor,
-                   bias: Optional[torch.Tensor]) -> "tuple[torch.Tensor, torch.Tensor]":
-    """The per-token loss and LSE of no tokens: zero-size outputs that still connect every
-    input to the graph."""
-    connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
-    empty = e.new_zeros(0, dtype=torch.promote_types(e.dtype, torch.float32)) + connected * 0
-    return empty, empty.clone()
 
 
 # --- The ops ---------------------------------------------------------------------------------

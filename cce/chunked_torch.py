@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from cce.second_order import differentiable_once
+from cce.autograd import differentiable_once
 from cce.weighting import (LossWeighting, lse_and_cross_entropy, target_complement,
                            target_entry)
 

@@ -116,12 +116,16 @@ _DETERMINISTIC_HEAD_BLOCKS = 32
 _MIN_BLOCKS_PER_RECORDING_PROGRAM = 8
 
 
-@functools.cache
+# Read once, when cce is imported: Triton decides when a kernel is decorated, at import, and the
+# question is asked several hundred times per loss call. A constant, which torch.compile reads
+# without tracing a cache (a functools.cache here made Dynamo warn on every compile).
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, which only
-    the user sets). Triton decides when a kernel is decorated, at import, so this reads the
-    variable once too (it is asked several hundred times per loss call)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    the user sets, before importing cce and triton)."""
+    return _INTERPRETING
 
 
 def kernels_run_on(device: torch.device) -> bool:

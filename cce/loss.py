@@ -21,7 +21,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from cce import baselines
-from cce.cce_function import cce_loss
 from cce.chunked_torch import chunked_torch_loss
 from cce.config import kernels_run_on
 from cce.host_copy import start_host_copy
@@ -42,6 +41,8 @@ def kernels_or_chunked_torch(e: torch.Tensor, c: torch.Tensor, targets: torch.Te
     operations, on the inputs' device (which are deterministic and recompute once, so
     ``kernel_options`` do not apply)."""
     if kernels_run_on(e.device) and e.dtype in KERNEL_DTYPES:
+        from cce.cce_function import cce_loss  # Triton is needed only where kernels run
+
         return cce_loss(e, c, targets, bias, softcap, filter_eps, vocab_sorting,
                         filter_correction, weighting, **kernel_options)
     return chunked_torch_loss(e, c, targets, bias, softcap, filter_eps, vocab_sorting,
@@ -167,8 +168,8 @@ def linear_cross_entropy(
             (global ids) the same on every rank. Every rank gets the loss (and lse) of the
             whole vocabulary and the full gradient of ``e``; ``c`` and ``bias`` get their
             shard's. Collective: every rank of the group must call it. impl "cce" or "torch"
-            (float64: "torch" for both); not with ``weight``, ``label_smoothing``,
-            ``keep_tiles`` or ``deterministic``.
+            (float64, or CPU tensors without the interpreter: "torch" for both); not with
+            ``weight``, ``label_smoothing``, ``keep_tiles`` or ``deterministic``.
 
     Returns:
         The loss, or ``(loss, lse)`` when ``return_lse`` is True.

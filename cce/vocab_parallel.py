@@ -33,17 +33,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cce.backward import linear_cross_entropy_backward
 from cce.baselines import materialized_logits
-from cce.cce_function import (needs_gradient, recompute_table, tokenless_loss,
-                               uses_mass_correction)
-from cce.config import check_interpreter_usable, interpreting
-from cce.indexed_dot import indexed_dot
-from cce.lse_forward import lse_forward
-from cce.second_order import differentiable_once
-from cce.vocab_order import sort_vocabulary, target_positions
+from cce.config import check_interpreter_usable, kernels_run_on
+from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
 from cce.weighting import (GradientScales, lse_and_cross_entropy, target_complement,
                            target_entry)
+
+# The kernels' modules (which import Triton) are imported where the kernels run: the options,
+# the checks and impl="torch" need no Triton.
 
 # The implementations that run vocabulary-parallel: the kernels, and materialized local logits
 # (a reference whose backward is autograd's).
@@ -157,12 +154,12 @@ def vocab_parallel_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     local_targets = torch.where(in_shard, targets - vocab_parallel.start, -1)
     if e.shape[0] == 0:
         return tokenless_loss(e, c, bias)  # on every rank (e is the same): no exchange
-    if impl == "torch" or e.dtype == torch.float64:  # the kernels are 16/32-bit
+    # Where the kernels do not run (CPU tensors without Triton's interpreter; float64, as the
+    # kernels are 16/32-bit), impl "cce" takes the materialized shard's path, as one GPU's
+    # takes the chunked PyTorch path.
+    if impl == "torch" or e.dtype == torch.float64 or not kernels_run_on(e.device):
         return _materialized_loss(e, c, targets, local_targets, bias, softcap, group)
     check_interpreter_usable()
-    if e.device.type == "cpu" and not interpreting():
-        raise ValueError("vocab_parallel with impl='cce' needs CUDA tensors here (or the Triton "
-                         "interpreter, TRITON_INTERPRET=1); impl='torch' runs on CPU tensors")
     if bias is not None:
         bias = bias.contiguous()  # the kernels index it with unit stride
     needs_grad = needs_gradient(e, c, bias)
@@ -182,6 +179,11 @@ class VocabParallelFunction(torch.autograd.Function):
                 group: Optional[dist.ProcessGroup], softcap: Optional[float],
                 filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
                 needs_grad: bool):
+        from cce.cce_function import uses_mass_correction
+        from cce.indexed_dot import indexed_dot
+        from cce.lse_forward import lse_forward
+        from cce.vocab_order import sort_vocabulary, target_positions
+
         holds_rows = c.shape[0] > 0  # a rank may hold none: it adds nothing to the sums
         records_bounds = needs_grad and filter_eps is not None and holds_rows
         # The order and the bounds are over the rows with a loss, wherever their target is:
@@ -219,6 +221,9 @@ class VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
+        from cce.backward import linear_cross_entropy_backward
+        from cce.cce_function import recompute_table
+
         (e, c, bias, targets, positions, lse, complement, order, tile_bound, counted_mass,
          row_sum) = ctx.saved_tensors
         # The softmax part of the gradient is every row's with a loss or an lse gradient; the

@@ -1,4 +1,5 @@
-"""The README's examples run as written: the CPU one everywhere, the CUDA one on a GPU.
+"""The README's examples run as written: the CPU one everywhere, the CUDA one on a GPU, the
+tensor-parallel one in a process group of one rank (over gloo) after the CPU one.
 
 Each runs in a fresh interpreter without ``TRITON_INTERPRET`` (which this suite sets), as a
 user runs it: on CPU tensors the default path is then the chunked PyTorch one.
@@ -41,3 +42,19 @@ def test_the_cuda_example_runs_as_written() -> None:
     assert 'device="cuda"' in cuda_example
     # The CUDA example continues the CPU one (its imports).
     _run(cpu_example + cuda_example + "\nassert loss.isfinite() and hidden.grad is not None\n")
+
+
+def test_every_example_is_run_here() -> None:
+    """A new example needs a test of its own above."""
+    assert len(_python_blocks()) == 3
+
+
+def test_the_tensor_parallel_example_runs_as_written() -> None:
+    """Its names come from the CPU example; the process group is one rank's."""
+    cpu_example, _, parallel_example = _python_blocks()
+    group_of_one = ("import torch.distributed\n"
+                    "torch.distributed.init_process_group('gloo', init_method='tcp://127.0.0.1:"
+                    "29561', rank=0, world_size=1)\n"
+                    "V, lm_head_weight = lm_head.weight.shape[0], lm_head.weight\n")
+    _run(cpu_example + group_of_one + parallel_example
+         + "\nassert loss.isfinite()\ntorch.distributed.destroy_process_group()\n")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import cce
-import cce.vocab_parallel
+import cce.cce_function
 from cce.vocab_parallel import VOCAB_PARALLEL_IMPLS
 from tests.distributed import rank_device, run_ranks
 from tests.helpers import (Inputs, assert_matches, confident_inputs, make_grad_output,
@@ -192,18 +192,18 @@ def shards_skip_negligible_tiles(rank: int, world_size: int) -> None:
     inputs = Inputs(e.bfloat16(), c.bfloat16(), targets, options=dict(ignore_index=-1))
     grad_output = torch.tensor(1.0, device=device)
     tables = []
-    recompute_table = cce.vocab_parallel.recompute_table
+    recompute_table = cce.cce_function.recompute_table
 
     def recorded_table(*args) -> torch.Tensor:
         tables.append(recompute_table(*args))
         return tables[-1]
 
-    cce.vocab_parallel.recompute_table = recorded_table
+    cce.cce_function.recompute_table = recorded_table
     try:
         sharded = run("cce", shard_inputs(inputs, start, stop), grad_output,
                       vocab_parallel=cce.VocabParallelOptions(start, stop))
     finally:
-        cce.vocab_parallel.recompute_table = recompute_table
+        cce.cce_function.recompute_table = recompute_table
     live_fraction = tables[0].float().mean().item()
     assert live_fraction < 1, f"rank {rank}: every tile is live"
     reference = shard_result(run_reference(inputs, grad_output), start, stop)

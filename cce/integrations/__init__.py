@@ -1,5 +1,16 @@
 """Integrations of :func:`cce.linear_cross_entropy` with training libraries.
 
 Each integration is its own module and imports its library only when imported itself, so that
-``import cce`` never needs them: ``import cce.integrations.transformers`` for Hugging Face models.
+``import cce`` never needs them: ``cce.integrations.transformers`` for Hugging Face models,
+imported on first use.
 """
+
+import importlib
+
+_INTEGRATIONS = ("transformers",)
+
+
+def __getattr__(name: str):
+    if name in _INTEGRATIONS:
+        return importlib.import_module(f"cce.integrations.{name}")
+    raise AttributeError(f"module 'cce.integrations' has no attribute {name!r}")

@@ -171,14 +171,20 @@ def _forward_with_cce_loss(model: PreTrainedModel, args: tuple, kwargs: dict) ->
     output = CausalLMOutputWithPast(
         loss=loss,
         logits=None,
-        past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
+        **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
     )
     # The rule of transformers' can_return_tuple, which the model's own forward follows.
     if return_dict is None:
         return_dict = model.config.return_dict
     return output if return_dict else output.to_tuple()
+
+
+# The key-value cache's field: "cache" from transformers 5.24 on, whose "past_key_values" only
+# prints a deprecation notice; "past_key_values" before.
+_CACHE_FIELD = ("cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
+                else "past_key_values")
 
 
 def _as_lm_head_forward(lm_head: nn.Module, hidden_states: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Second-order derivatives: cce's gradients are differentiable once, and say so.
+"""Autograd plumbing shared by the paths: whether a backward follows, outputs of no tokens, and
+gradients that are differentiable once and say so.
 
 A custom autograd function whose backward records no graph returns gradients without a
 ``grad_fn`` under ``create_graph=True``; a term built on them (a gradient penalty) would then
@@ -10,6 +11,21 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+
+def needs_gradient(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a backward will follow: grad mode on and some input requiring grad."""
+    return torch.is_grad_enabled() and any(
+        tensor is not None and tensor.requires_grad for tensor in tensors)
+
+
+def tokenless_loss(e: torch.Tensor, c: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> "tuple[torch.Tensor, torch.Tensor]":
+    """The per-token loss and LSE of no tokens: zero-size outputs that still connect every
+    input to the graph."""
+    connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
+    empty = e.new_zeros(0, dtype=torch.promote_types(e.dtype, torch.float32)) + connected * 0
+    return empty, empty.clone()
 
 
 def differentiable_once(gradients: "list[torch.Tensor]",
