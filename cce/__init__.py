@@ -2,6 +2,7 @@
 
 import importlib
 import warnings
+from types import ModuleType
 
 from cce.config import interpreting
 from cce.loss import IMPLEMENTATIONS, LinearCrossEntropy, linear_cross_entropy
@@ -24,7 +25,7 @@ __all__ = ["IMPLEMENTATIONS", "LinearCrossEntropy", "VocabParallelOptions",
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> ModuleType:
     # cce.integrations (and through it cce.integrations.transformers) after a bare `import cce`,
     # imported on first use: transformers stays unimported until then.
     if name == "integrations":

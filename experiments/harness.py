@@ -202,7 +202,7 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "triton": _package_version("triton"),
         "cuda": torch.version.cuda if ON_GPU else None,
-        "cce": _package_version("cce"),
+        "cce": _package_version("cce-triton"),  # its distribution name (import name: cce)
         "python": platform.python_version(),
         # The version that tokenized the real data, if this process loaded it: the Gemma 3
         # tokenizer depends on it (experiments.real_model.check_tokenizer).

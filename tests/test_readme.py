@@ -1,5 +1,5 @@
 """The README's examples run as written: the CPU one everywhere, the CUDA one on a GPU, the
-tensor-parallel one in a process group of one rank (over gloo) after the CPU one.
+tensor-parallel one after the CPU one, as one rank started by torchrun.
 
 Each runs in a fresh interpreter without ``TRITON_INTERPRET`` (which this suite sets), as a
 user runs it: on CPU tensors the default path is then the chunked PyTorch one.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,9 @@ def _python_blocks() -> "list[str]":
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
 
 
-def _run(code: str) -> None:
+def _run(code: str, **environment: str) -> None:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(environment)
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True, timeout=300, cwd=README.parent)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -50,11 +52,14 @@ def test_every_example_is_run_here() -> None:
 
 
 def test_the_tensor_parallel_example_runs_as_written() -> None:
-    """Its names come from the CPU example; the process group is one rank's."""
+    """Its tensors come from the CPU example; its process group from the environment that
+    torchrun gives each rank, here of a group of one."""
     cpu_example, _, parallel_example = _python_blocks()
-    group_of_one = ("import torch.distributed\n"
-                    "torch.distributed.init_process_group('gloo', init_method='tcp://127.0.0.1:"
-                    "29561', rank=0, world_size=1)\n"
-                    "V, lm_head_weight = lm_head.weight.shape[0], lm_head.weight\n")
-    _run(cpu_example + group_of_one + parallel_example
-         + "\nassert loss.isfinite()\ntorch.distributed.destroy_process_group()\n")
+    with socket.socket() as probe:  # a free port for the group's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    unsharded = "cce.linear_cross_entropy(hidden, lm_head.weight, tokens, shift=1)"
+    _run(cpu_example + parallel_example
+         + f"\nassert torch.allclose(loss, {unsharded})\ndist.destroy_process_group()\n",
+         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+         WORLD_SIZE="1")

@@ -6,11 +6,12 @@ imported on first use.
 """
 
 import importlib
+from types import ModuleType
 
 _INTEGRATIONS = ("transformers",)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> ModuleType:
     if name in _INTEGRATIONS:
         return importlib.import_module(f"cce.integrations.{name}")
     raise AttributeError(f"module 'cce.integrations' has no attribute {name!r}")
