@@ -8,7 +8,7 @@ silently lose its part through the loss. These gradients get a ``grad_fn`` that 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -28,15 +28,19 @@ def tokenless_loss(e: torch.Tensor, c: torch.Tensor,
     return empty, empty.clone()
 
 
-def differentiable_once(gradients: "list[torch.Tensor]",
-                        depends_on: "tuple[Optional[torch.Tensor], ...]") -> "list[torch.Tensor]":
-    """``gradients``, which under create_graph=True (grad mode on, some of ``depends_on``
-    requiring grad) get a grad_fn that raises when differentiated. (torch's
-    ``once_differentiable`` looks only at the upstream gradients, not at e and c.)"""
+def differentiable_once(gradients: "Sequence[Optional[torch.Tensor]]",
+                        depends_on: "tuple[Optional[torch.Tensor], ...]"
+                        ) -> "tuple[Optional[torch.Tensor], ...]":
+    """``gradients`` (None where not needed, kept None), which under create_graph=True (grad
+    mode on, some of ``depends_on`` requiring grad) get a grad_fn that raises when
+    differentiated. (torch's ``once_differentiable`` looks only at the upstream gradients, not
+    at e and c.)"""
+    present = [grad for grad in gradients if grad is not None]
     tracked = [tensor for tensor in depends_on if tensor is not None and tensor.requires_grad]
-    if not (gradients and tracked and torch.is_grad_enabled()):
-        return gradients
-    return list(_RaiseWhenDifferentiated.apply(len(gradients), *gradients, *tracked))
+    if not (present and tracked and torch.is_grad_enabled()):
+        return tuple(gradients)
+    guarded = iter(_RaiseWhenDifferentiated.apply(len(present), *present, *tracked))
+    return tuple(None if grad is None else next(guarded) for grad in gradients)
 
 
 class _RaiseWhenDifferentiated(torch.autograd.Function):

@@ -280,11 +280,10 @@ def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
             curvature_sum, row_sum, grad_loss, grad_lse, *ctx.options,
             needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
     gradients = differentiable_once(
-        [grad for grad, needed in ((grad_e, needs_e), (grad_c, needs_c), (grad_bias, needs_bias))
-         if needed],
+        [grad if needed else None
+         for grad, needed in ((grad_e, needs_e), (grad_c, needs_c), (grad_bias, needs_bias))],
         (e, c, bias, grad_loss, grad_lse))
-    return tuple(gradients.pop(0) if needed else None
-                 for needed in (needs_e, needs_c, needs_bias)) + (None,) * 11
+    return gradients + (None,) * 11
 
 
 loss_forward.register_autograd(_loss_forward_backward, setup_context=_loss_forward_setup_context)

@@ -132,12 +132,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         e, c, bias = ctx.saved_tensors[:3]
         with torch.no_grad():  # the in-place chunk arithmetic records no graph
             gradients = ChunkedLinearCrossEntropy._gradients(ctx, grad_loss, grad_lse)
-        needed = [grad for grad in gradients if grad is not None]
         # Under create_graph=True, a gradient with no grad_fn would silently drop its part of a
         # term built on it (a gradient penalty): differentiating it raises instead.
-        needed = differentiable_once(needed, (e, c, bias, grad_loss, grad_lse))
-        return tuple(needed.pop(0) if grad is not None else None
-                     for grad in gradients) + (None,) * 4
+        return differentiable_once(gradients, (e, c, bias, grad_loss, grad_lse)) + (None,) * 4
 
     @staticmethod
     @_without_autocast

@@ -128,10 +128,19 @@ def interpreting() -> bool:
     return _INTERPRETING
 
 
+# The dtypes the kernels take (float64 goes to the PyTorch paths).
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def kernels_run_on(device: torch.device) -> bool:
     """Whether cce's Triton kernels can take tensors on ``device``: CUDA tensors, and CPU
     tensors when Triton's interpreter is on."""
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+def kernels_take(e: torch.Tensor) -> bool:
+    """Whether cce's Triton kernels take the embeddings ``e``: their device and their dtype."""
+    return kernels_run_on(e.device) and e.dtype in KERNEL_DTYPES
 
 
 def check_interpreter_usable() -> None:

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from cce import baselines
 from cce.chunked_torch import chunked_torch_loss
-from cce.config import kernels_run_on
+from cce.config import KERNEL_DTYPES, kernels_take
 from cce.host_copy import start_host_copy
 from cce.weighting import LossWeighting
 from cce.vocab_parallel import (VocabParallelOptions, check_options, check_shards,
@@ -36,11 +36,11 @@ def kernels_or_chunked_torch(e: torch.Tensor, c: torch.Tensor, targets: torch.Te
                              filter_eps: Optional[float], vocab_sorting: bool,
                              filter_correction: bool, weighting: LossWeighting = LossWeighting(),
                              **kernel_options: bool) -> "tuple[torch.Tensor, torch.Tensor]":
-    """impl="cce": the Triton kernels where they run (:func:`cce.config.kernels_run_on`) and
+    """impl="cce": the Triton kernels where they run (:func:`cce.config.kernels_take`) and
     take the dtype (16 and 32 bits), else the same loss with exact gradients in chunked PyTorch
     operations, on the inputs' device (which are deterministic and recompute once, so
     ``kernel_options`` do not apply)."""
-    if kernels_run_on(e.device) and e.dtype in KERNEL_DTYPES:
+    if kernels_take(e):
         from cce.cce_function import cce_loss  # Triton is needed only where kernels run
 
         return cce_loss(e, c, targets, bias, softcap, filter_eps, vocab_sorting,
@@ -57,8 +57,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "chunked": baselines.chunked_loss,
 }
 REDUCTIONS = ("mean", "sum", "none")
-# The dtypes the kernels take, which are also those autocast casts (never float64).
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The kernels' dtypes are also those autocast casts (never float64).
 FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
 TARGET_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64,
                  torch.uint8, torch.uint16, torch.uint32, torch.uint64)

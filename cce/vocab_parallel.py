@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from cce.baselines import materialized_logits
-from cce.config import check_interpreter_usable, kernels_run_on
 from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
+from cce.config import check_interpreter_usable, kernels_take
 from cce.weighting import (GradientScales, lse_and_cross_entropy, target_complement,
                            target_entry)
 
@@ -157,7 +157,7 @@ def vocab_parallel_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     # Where the kernels do not run (CPU tensors without Triton's interpreter; float64, as the
     # kernels are 16/32-bit), impl "cce" takes the materialized shard's path, as one GPU's
     # takes the chunked PyTorch path.
-    if impl == "torch" or e.dtype == torch.float64 or not kernels_run_on(e.device):
+    if impl == "torch" or not kernels_take(e):
         return _materialized_loss(e, c, targets, local_targets, bias, softcap, group)
     check_interpreter_usable()
     if bias is not None:
@@ -257,11 +257,8 @@ class VocabParallelFunction(torch.autograd.Function):
         if grad_e is not None:
             dist.all_reduce(grad_e, op=dist.ReduceOp.SUM, group=ctx.group)
             grad_e = grad_e.to(e.dtype)
-        gradients = [grad_e, grad_c, grad_bias]
-        needed = differentiable_once([grad for grad in gradients if grad is not None],
-                                     (e, c, bias, grad_loss, grad_lse))
-        return tuple(needed.pop(0) if grad is not None else None
-                     for grad in gradients) + (None,) * 8
+        return differentiable_once([grad_e, grad_c, grad_bias],
+                                   (e, c, bias, grad_loss, grad_lse)) + (None,) * 8
 
 
 def _materialized_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
