@@ -60,6 +60,17 @@ def log_add_exp(a, b):
 
 
 @triton.jit
+def lower_bound_of_sum(a, b, DISJOINT: tl.constexpr):
+    """A lower bound of the final LSE from two lower bounds: the LSE of their sum where they add
+    up disjoint sets of entries (the target's logit, and LSEs that leave the target out),
+    else the larger. A tighter bound leaves fewer tiles for the backward to recompute."""
+    if DISJOINT:
+        return log_add_exp(a, b)
+    else:
+        return tl.maximum(a, b)
+
+
+@triton.jit
 def log_probability_bound(row_max, lse_lower, recorded_rows):
     """The bound of a live-grid tile's log-probabilities from its rows' largest logits."""
     return tl.max(tl.where(recorded_rows, row_max - lse_lower, float("-inf")))
@@ -101,11 +112,13 @@ def lse_forward_kernel(
         # in the head's own).
         known_lower = tl.load(target_logit_ptr + rows, mask=recorded_rows, other=float("-inf"))
         if DETERMINISTIC:
-            known_lower = tl.maximum(known_lower, tl.load(head_lse_ptr + rows, mask=row_mask,
-                                                          other=float("-inf")))
+            known_lower = lower_bound_of_sum(known_lower, tl.load(
+                head_lse_ptr + rows, mask=row_mask, other=float("-inf")), LEAVES_OUT)
     if LEAVES_OUT:
         left_out = tl.load(left_out_ptr + rows, mask=row_mask, other=-1)
         left_out_tiles = left_out_tiles_ptr + token_block * tl.cdiv(vocab_size, BLOCK_VOCAB)
+        next_holds = tl.load(left_out_tiles + first_vocab_block,
+                             mask=first_vocab_block < last_vocab_block, other=0).to(tl.int32)
     running_max = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
@@ -141,14 +154,20 @@ def lse_forward_kernel(
                 # of the pre-cap logits, with no tile-sized temporary of its own.
                 curvature_sum += tl.sum(weighted * logits, axis=1)
         # Padding columns get -inf after the softcap (a capped 0 would still carry exp(0)); every
-        # tile is masked on the descriptor path, whose flattened loop takes no branch.
+        # tile is masked on the descriptor path, whose flattened loop takes no other branch
+        # than the target's below.
         if BY_DESCRIPTOR:
             logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
         elif holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
             logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
         if LEAVES_OUT:
-            # So do the left-out entries, in the few tiles that hold one.
-            if tl.load(left_out_tiles + vocab_block) != 0:
+            # So do the left-out entries, in the few tiles that hold one (a tile's flag is loaded
+            # one tile ahead). A select on every tile instead costs up to 5% more forward time
+            # (docs/notes/forward.md, "Leaving the target out").
+            holds = next_holds
+            next_holds = tl.load(left_out_tiles + vocab_block + 1,
+                                 mask=vocab_block + 1 < last_vocab_block, other=0).to(tl.int32)
+            if holds != 0:
                 logits = tl.where((vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB))[None, :]
                                   != left_out[:, None], logits, float("-inf"))
         if RECORD_TILE_BOUND and RECORDS_PER_TILE == 2:
@@ -177,10 +196,12 @@ def lse_forward_kernel(
             # raise it, so a read without the lock is a bound too; volatile: read again for
             # every tile, never from a stale L1 line). Deterministic mode reads no merge: its
             # bounds must not depend on the schedule.
-            lse_lower = tl.maximum(known_lower, safe_max + tl.log(running_sum))
+            lse_lower = lower_bound_of_sum(known_lower, safe_max + tl.log(running_sum),
+                                           LEAVES_OUT)
             if not DETERMINISTIC:
-                lse_lower = tl.maximum(lse_lower, tl.load(lse_ptr + rows, mask=row_mask,
-                                                          other=float("-inf"), volatile=True))
+                lse_lower = lower_bound_of_sum(lse_lower, tl.load(
+                    lse_ptr + rows, mask=row_mask, other=float("-inf"), volatile=True),
+                    LEAVES_OUT)
             # From row maxima: a maximum per column would cost a reduction across warps.
             record = token_block * num_live_vocab_blocks + vocab_block * RECORDS_PER_TILE
             tl.store(tile_bound_ptr + record,
@@ -316,7 +337,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     per row, -1 for none: the LSE is then of the row's other logits. Given each row's target,
     it is the LSE of the non-target logits, ``log(sum_{j != t} exp(z_j))``, from which
     ``1 - p_t`` (a row's gradient at its target) comes with full relative precision, however
-    sure the model is of the target: ``exp(L_i - z_t) - 1`` would cancel (:mod:`cce.loss_terms`).
+    sure the model is of the target: ``exp(L_i - z_t) - 1`` would cancel (:mod:`cce.weighting`).
 
     ``logit_sum``: float32 (N,) zeros, when given, receives ``sum_v class_weight[v] z_iv`` of
     every row (``class_weight``: float32 (V,), None for all 1), for label smoothing
