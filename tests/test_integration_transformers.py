@@ -2,7 +2,8 @@
 
 Every test compares a patched model with an unpatched deep copy of it (tiny, randomly
 initialised, float32, on the test device): same loss and gradients within 1e-5 relative error,
-logits not materialized when labels are given, the same logits when they are not.
+logits not materialized when labels are given, the same logits when they are not. (Every model
+type of transformers, against the unpatched model: tests/test_model_coverage.py.)
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"final_logit_softcapping": 30.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
+    # Logits multiplied by a scale, divided by one; a mixture of experts with its router loss.
+    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 2.0}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
+        "router_aux_loss_coef": 0.1}),
 }
 
 
@@ -274,19 +281,33 @@ def test_patching_again_replaces_the_options_instead_of_stacking(gen, device, cc
     assert "forward" not in vars(model)
 
 
-def tiny_gpt2() -> torch.nn.Module:
-    return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
+class LlamaWithCenteredLogits(transformers.LlamaForCausalLM):
+    """A forward that does more with its logits than a scale and a softcap."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden_states = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        logits = self.lm_head(hidden_states)
+        logits = logits - logits.mean(-1, keepdim=True)
+        loss = self.loss_function(logits, labels, self.config.vocab_size)
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+class LlamaWithItsOwnLoss(transformers.LlamaForCausalLM):
+    """A forward that computes its loss from the logits otherwise than by a cross-entropy."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids, **kwargs).last_hidden_state)
+        loss = logits.logsumexp(-1).mean()
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+class BiasedLinear(torch.nn.Linear):
+    def forward(self, input):
+        return super().forward(input) + 1
 
 
 def tiny_llama_classifier() -> torch.nn.Module:
     return transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**TINY))
-
-
-def tiny_gpt_neox() -> torch.nn.Module:
-    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2))
 
 
 def tiny_llama_without_lm_head() -> torch.nn.Module:
@@ -295,24 +316,119 @@ def tiny_llama_without_lm_head() -> torch.nn.Module:
     return model
 
 
-def tiny_cohere() -> torch.nn.Module:
-    return transformers.CohereForCausalLM(transformers.CohereConfig(**TINY))
+def tiny_llama_with_another_head() -> torch.nn.Module:
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    model.lm_head = BiasedLinear(32, VOCAB)
+    return model
+
+
+def wrapped_llama() -> torch.nn.Module:
+    return torch.nn.Sequential(transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)))
 
 
 @pytest.mark.parametrize("make_model, message", [
-    (tiny_gpt2, "GPT2LMHeadModel is not supported: cce patches transformers"),
-    (tiny_llama_classifier, "LlamaForSequenceClassification is not supported: cce patches"),
-    (tiny_gpt_neox, "GPTNeoXForCausalLM is not supported: it has no base model at `.model`"),
-    (tiny_llama_without_lm_head, "LlamaForCausalLM is not supported: it has no nn.Linear"),
-    (tiny_cohere, "CohereForCausalLM is not supported: its forward multiplies the logits"),
-], ids=["not a causal LM", "a classifier", "no .model", "no lm_head", "scaled logits"])
-def test_unsupported_models_raise_a_value_error_naming_the_class(
+    (tiny_llama_classifier, "LlamaForSequenceClassification is not supported: it has no output "
+                            "embeddings"),
+    (tiny_llama_without_lm_head, "LlamaForCausalLM is not supported: it has no output "
+                                 "embeddings"),
+    (tiny_llama_with_another_head, "its output embeddings are a BiasedLinear, not an nn.Linear"),
+    (lambda: LlamaWithCenteredLogits(transformers.LlamaConfig(**TINY)),
+     r"LlamaWithCenteredLogits is not supported: LlamaWithCenteredLogits.forward does more "
+     r"with the logits than cce reproduces: `logits = logits - logits.mean\(-1, keepdim=True\)`"),
+    (lambda: LlamaWithItsOwnLoss(transformers.LlamaConfig(**TINY)),
+     r"does more with the logits than cce reproduces: `loss = logits.logsumexp\(-1\).mean\(\)`"),
+    (wrapped_llama, "Sequential is not supported: cce patches transformers models"),
+], ids=["a classifier", "no lm_head", "not a linear head", "more than scale and softcap",
+        "its own loss", "not a transformers model"])
+def test_unsupported_models_raise_a_value_error_naming_the_class_and_why(
         make_model: Callable[[], torch.nn.Module], message):
     model = make_model()
 
     with pytest.raises(ValueError, match=message):
         patch(model)
     assert "forward" not in vars(model)
+
+
+@pytest.mark.parametrize("family, entry, value", [
+    ("cohere", "logit_scale", 2.0), ("granite", "logits_scaling", 0.5)])
+def test_the_logit_scale_is_applied(family, entry, value, gen, device):
+    reference, model = reference_and_patched(family, device, impl="torch")
+    inputs = make_batch(gen, device)
+    rescaled = copy.deepcopy(model)
+    setattr(rescaled.config, entry, value)
+    if family == "cohere":
+        rescaled.logit_scale = value
+
+    loss, rescaled_loss = model(**inputs).loss, rescaled(**inputs).loss
+
+    assert relative_error(loss, reference(**inputs).loss) <= TOLERANCE
+    assert relative_error(rescaled_loss, loss) > 10 * TOLERANCE
+
+
+def test_the_router_loss_is_added_as_the_model_adds_it(gen, device):
+    reference, model = reference_and_patched("mixtral", device, impl="torch")
+    inputs = make_batch(gen, device)
+
+    output, expected = model(**inputs), reference(**inputs)
+    without_router_loss = model(**inputs, output_router_logits=False)
+
+    assert relative_error(output.aux_loss, expected.aux_loss) <= TOLERANCE
+    assert relative_error(output.loss, expected.loss) <= TOLERANCE
+    assert without_router_loss.aux_loss is None
+    assert relative_error(output.loss - without_router_loss.loss,
+                          0.1 * output.aux_loss) <= TOLERANCE
+
+
+def test_a_vision_language_model_gets_its_pixels(gen, device):
+    # LLaVA's text head, the base model (`model.model`) taking pixel_values: 4 image tokens
+    # (5) per row for the 4 patches of a 28 x 28 image.
+    config = transformers.LlavaConfig(
+        text_config=dict(model_type="llama", **TINY),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=28, patch_size=14, projection_dim=32),
+        image_token_index=5, vision_feature_layer=-1)
+    torch.manual_seed(0)
+    reference = transformers.LlavaForConditionalGeneration(config).to(device)
+    model = patch(copy.deepcopy(reference), impl="torch")
+    inputs = make_batch(gen, device)
+    inputs["input_ids"][:, 1:5] = 5
+    inputs["labels"][:, 1:5] = -100
+    pixel_values = torch.randn(BATCH, 3, 28, 28, generator=gen).to(device)
+
+    output = model(**inputs, pixel_values=pixel_values)
+    expected = reference(**inputs, pixel_values=pixel_values)
+    output.loss.backward()
+    expected.loss.backward()
+    text_only = model(**{**inputs, "input_ids": inputs["input_ids"].clamp(min=6)}).loss
+
+    assert output.logits is None
+    assert relative_error(output.loss, expected.loss) <= TOLERANCE
+    vision = "model.vision_tower.embeddings.patch_embedding.weight"
+    assert relative_error(model.get_parameter(vision).grad,
+                          reference.get_parameter(vision).grad) <= 1e-4
+    assert relative_error(text_only, output.loss) > 10 * TOLERANCE
+
+
+def test_models_with_a_base_and_a_head_named_otherwise(gen, device):
+    # GPT-2: `transformer` and `lm_head` (tied); GPT-NeoX: `gpt_neox` and `embed_out`.
+    for model_class, config in (
+            (transformers.GPT2LMHeadModel, transformers.GPT2Config(
+                vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, initializer_range=0.2)),
+            (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig(
+                vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, initializer_range=0.2))):
+        torch.manual_seed(0)
+        reference = model_class(config).to(device).eval()
+        model = patch(copy.deepcopy(reference), impl="torch")
+        inputs = make_batch(gen, device)
+        output, expected = model(**inputs), reference(**inputs)
+        output.loss.backward()
+        expected.loss.backward()
+        head = model.get_output_embeddings().weight.grad
+        assert output.logits is None
+        assert relative_error(output.loss, expected.loss) <= TOLERANCE
+        assert relative_error(head, reference.get_output_embeddings().weight.grad) <= TOLERANCE
 
 
 def test_bad_options_raise_before_patching(device):

@@ -1,4 +1,5 @@
-"""Hugging Face transformers: train a causal LM with Cut Cross-Entropy, never building its logits.
+"""Hugging Face transformers: train a language model with Cut Cross-Entropy, never building its
+logits.
 
     from transformers import AutoModelForCausalLM
     from cce.integrations.transformers import patch
@@ -6,59 +7,73 @@
     model = patch(AutoModelForCausalLM.from_pretrained("google/gemma-2-2b"))
     loss = model(input_ids=ids, labels=ids).loss   # output.logits is None
 
-One generic mechanism serves every ``*ForCausalLM`` whose forward is "base model -> ``lm_head`` ->
-optional ``final_logit_softcapping`` -> ``ForCausalLMLoss``" (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 2, Gemma 3, ...): when labels are given, the patched forward calls the base model
-(``model.model``) for the final hidden states and computes the loss from them and
-``model.lm_head``'s weight (and bias) with :func:`cce.linear_cross_entropy`, reproducing
-``ForCausalLMLoss``: next-token shift (or the caller's ``shift_labels``), ``ignore_index``, and
-``num_items_in_batch`` (sum / num_items_in_batch, so that gradient accumulation equals one big
-batch). Every other call (no labels, or ``logits_to_keep``) runs the model's own forward untouched.
+One generic mechanism serves every model of transformers whose forward computes its logits with
+its output embeddings (``model.get_output_embeddings()``, an ``nn.Linear``), at most scales and
+softcaps them, and takes their cross-entropy: the ``*ForCausalLM`` and ``*LMHeadModel`` models
+(Llama; Gemma 2 with its softcap; Cohere and Granite with their logit scale; GPT-2's
+``transformer`` and GPT-NeoX's ``embed_out`` as well as ``model.model`` and ``lm_head``; BERT's
+prediction head) and the text head of ``*ForConditionalGeneration`` vision-language models
+(Gemma 3, Qwen2-VL, LLaVA, Mllama, ...), mixtures of experts with their router loss.
+docs/models.md lists every model type tested: exact, refused (why), or not tested (why).
 
-Not for models whose logits or loss involve more than that (Cohere's ``logit_scale``, Granite's
-``logits_scaling``, a mixture of experts' router loss): :func:`patch` refuses them rather than
-return a different loss. With PEFT, patch the wrapped model: ``patch(peft_model.get_base_model())``.
-The loss reads ``lm_head.weight`` outside ``lm_head``'s forward, except under FSDP2
-(``fully_shard``) when ``lm_head`` is sharded as a module of its own: FSDP2 gathers its weight
-only for its forward, so the loss then runs as that forward. FSDP1 (``FullyShardedDataParallel``,
-flattened parameters) is not supported.
+With labels, the patched forward runs the model's own forward, in which the output embeddings
+return a stand-in for the logits rather than the logits: it keeps the final hidden states and
+records what the forward multiplies or divides the logits by and its softcap (``tanh``), and
+slices and flattens them as the forward does. When the forward takes their cross-entropy
+(``F.cross_entropy``, which ``self.loss_function``'s ForCausalLMLoss and ``nn.CrossEntropyLoss``
+call), the stand-in computes it from the hidden states and the head's weight (and bias) with
+:func:`cce.linear_cross_entropy`, with the call's ``ignore_index`` and ``reduction``: the
+next-token shift (or the caller's ``shift_labels``) and ``num_items_in_batch`` are then the
+model's own (so gradient accumulation equals one big batch where the model's loss does).
+Everything else is the model's own forward too: the arguments it passes to its base model
+(pixels too), a mixture of experts' router loss added to the loss (and ``aux_loss``), the
+other fields of its output. Its ``logits`` are None. Without labels (inference, generation) or
+with ``logits_to_keep``, the model's own forward runs untouched.
+
+:func:`patch` first reads the source of the model's forward (and of the modules between it and
+the output embeddings) and refuses, with a ``ValueError`` that says why, a model whose loss the
+patched forward would not reproduce: its logits put to any other use (a z-loss, a softcap by a
+module of its own, ...), a loss that is no cross-entropy of them or a loss function other than
+ForCausalLMLoss, output embeddings that are not an ``nn.Linear``. With PEFT, patch the wrapped
+model: ``patch(peft_model.get_base_model())``. While a patched forward runs, the stand-in takes
+the output embeddings' place in their parent module: a patched model runs one forward at a
+time (as a model in training does).
+
+The loss reads the head's weight outside the head's forward, except under FSDP2 (``fully_shard``)
+when the head is sharded as a module of its own: FSDP2 gathers its weight only for its forward,
+so the loss then runs as that forward. FSDP1 (``FullyShardedDataParallel``, flattened
+parameters) is not supported.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import math
+import textwrap
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Iterator, Literal, Optional, Union
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 import cce
 
 __all__ = ["patch", "unpatch"]
 
-# Config entries that announce a change to the logits or the loss that a patched forward would
-# not reproduce; the value says what the model's own forward does with it.
-UNREPRODUCED_CONFIG_ENTRIES = {
-    "logit_scale": "multiplies the logits by config.logit_scale",
-    "logits_scaling": "divides the logits by config.logits_scaling",
-    "router_aux_loss_coef": "adds a router load-balancing loss to the loss",
-}
-
-# Keyword arguments that transformers' ForCausalLMLoss reads: the loss takes them, not the base
-# model.
-LOSS_ARGUMENTS = ("shift_labels", "num_items_in_batch", "ignore_index")
-
 
 @dataclass
 class _Patch:
-    """What a patched model keeps: the loss options and the forward to restore on unpatch."""
+    """What a patched model keeps: the loss options, where its output embeddings sit, and the
+    forward to restore on unpatch."""
 
     options: dict[str, Any]
+    # The output embeddings' name in the model, e.g. "lm_head" or "cls.predictions.decoder".
+    head_path: str
     # A forward set on the instance before patching (e.g. accelerate's device hooks), else None.
     instance_forward: Optional[Callable[..., Any]]
 
@@ -80,10 +95,13 @@ def patch(
     or with ``logits_to_keep``, it is the model's own forward. Patching again replaces the options.
 
     Args:
-        model: a ``*ForCausalLM`` with a base model ``model.model`` and an ``nn.Linear``
-            ``model.lm_head``.
+        model: a transformers model whose forward computes its logits with its output
+            embeddings (an ``nn.Linear``), at most scales and softcaps them, and takes their
+            cross-entropy (``self.loss_function``'s ForCausalLMLoss, or ``F.cross_entropy``):
+            ``*ForCausalLM``, ``*LMHeadModel``, ``*ForConditionalGeneration`` (docs/models.md
+            lists those tested).
         impl, filter_eps, vocab_sorting, filter_correction, weight, label_smoothing: as in
-            :func:`cce.linear_cross_entropy` (``weight`` on the device of ``lm_head``).
+            :func:`cce.linear_cross_entropy` (``weight`` on the device of the output embeddings).
             transformers' own loss has neither of the last two. Trainer's
             ``label_smoothing_factor`` keeps the labels from the model and smooths its logits,
             so the model's own forward runs and builds them: leave it at 0 and pass
@@ -95,9 +113,10 @@ def patch(
         ``model`` itself.
 
     Raises:
-        ValueError: naming the model class when it is not supported, or naming a bad option.
+        ValueError: naming the model class and why, when the patched loss would not be the
+            model's own; or naming a bad option.
     """
-    _check_supported(model)
+    head_path = _check_supported(model)
     # Builds nothing that is kept: it validates the options now rather than at the first step.
     options = dict(impl=impl, filter_eps=filter_eps, vocab_sorting=vocab_sorting,
                    filter_correction=filter_correction, weight=weight,
@@ -106,6 +125,7 @@ def patch(
     unpatch(model)
     model._cce_patch = _Patch(
         options=options,
+        head_path=head_path,
         instance_forward=model.__dict__.get("forward"),
     )
 
@@ -133,76 +153,524 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def _check_supported(model: nn.Module) -> None:
-    name = type(model).__name__
-    if not isinstance(model, PreTrainedModel) or not name.endswith("ForCausalLM"):
-        raise ValueError(f"{name} is not supported: cce patches transformers *ForCausalLM "
-                         f"models (with PEFT, patch peft_model.get_base_model())")
-    if not isinstance(getattr(model, "model", None), nn.Module):
-        raise ValueError(f"{name} is not supported: it has no base model at `.model` to compute "
-                         f"the final hidden states")
-    if not isinstance(getattr(model, "lm_head", None), nn.Linear):
-        raise ValueError(f"{name} is not supported: it has no nn.Linear `.lm_head` whose weight "
-                         f"is the classifier")
-    for entry, effect in UNREPRODUCED_CONFIG_ENTRIES.items():
-        if getattr(model.config, entry, None) is not None:
-            raise ValueError(f"{name} is not supported: its forward {effect}, which the cce loss "
-                             f"does not reproduce")
+# --- What patch reads: is the model's loss one that the patched forward reproduces? -------------
 
+class _Unsupported(Exception):
+    """Why a model is not supported (the message of patch's ValueError, after the class)."""
+
+
+def _check_supported(model: nn.Module) -> str:
+    """The name of ``model``'s output embeddings in it, or a ValueError naming its class and why
+    the patched forward would not reproduce its loss."""
+    name = type(model).__name__
+    try:
+        return _supported_head_path(model)
+    except _Unsupported as reason:
+        raise ValueError(f"{name} is not supported: {reason}") from None
+
+
+def _supported_head_path(model: nn.Module) -> str:
+    if not isinstance(model, PreTrainedModel):
+        raise _Unsupported("cce patches transformers models (PreTrainedModel); with PEFT, patch "
+                           "peft_model.get_base_model()")
+    head = model.get_output_embeddings()
+    if head is None:
+        raise _Unsupported("it has no output embeddings (get_output_embeddings() is None): it "
+                           "is not a language model")
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        raise _Unsupported(f"its output embeddings are a {type(head).__name__}, not an "
+                           f"nn.Linear whose weight is the classifier")
+    _ForwardReading(model, head, outermost=True).check()
+    return next(path for path, module in model.named_modules(remove_duplicate=False)
+                if module is head)
+
+
+def _loss_function(model: nn.Module) -> Callable[..., Any]:
+    """``model.loss_function``, without its warning for a class name that names no loss (its
+    default, ForCausalLMLoss, then)."""
+    if not isinstance(model, PreTrainedModel):
+        return None
+    if "_loss_function" in model.__dict__:
+        return model._loss_function
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    return LOSS_MAPPING.get(getattr(model, "loss_type", None), ForCausalLMLoss)
+
+
+# What a patched forward reproduces of the logits: multiplied or divided by a number (a logit
+# scale; a softcap's division and multiplication), tanh (a softcap), casts, slices of leading
+# dimensions and views that flatten them, their shape, and the cross-entropy of the flattened
+# logits (as transformers' ForCausalLMLoss computes it, or F.cross_entropy, or nn.CrossEntropyLoss).
+_SCALE_OPERATORS = (ast.Mult, ast.Div)
+_METHODS = ("float", "to", "contiguous", "tanh", "view", "reshape")
+_METADATA = ("shape", "size", "dim", "ndim", "dtype", "device")
+
+
+class _ForwardReading:
+    """Reads the source of ``module``'s forward: the call of ``head`` (or of a submodule whose
+    forward returns what ``head`` returns, as BERT's prediction head, or an output whose
+    ``logits`` it is, as Llama 4's language model) and every use of its result: a scale, a
+    softcap, slices and views, and then the cross-entropy, the output's ``logits=``, or (within)
+    the return value."""
+
+    def __init__(self, module: nn.Module, head: nn.Module, *, outermost: bool) -> None:
+        self.module, self.head, self.outermost = module, head, outermost
+        self.owner = type(module).__name__
+        forward = inspect.unwrap(type(module).forward)
+        try:
+            self.source = textwrap.dedent(inspect.getsource(forward))
+        except (OSError, TypeError):
+            raise _Unsupported(f"the source of {self.owner}.forward, which computes the logits, "
+                               f"cannot be read") from None
+        self.function = ast.parse(self.source).body[0]
+        if not isinstance(self.function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            raise _Unsupported(f"{self.owner}.forward is not a function whose source can be read")
+        self.self_name = self.function.args.args[0].arg if self.function.args.args else "self"
+        self.parents = {child: node for node in ast.walk(self.function)
+                        for child in ast.iter_child_nodes(node)}
+        # Names bound to nn.CrossEntropyLoss(...): loss_fct = CrossEntropyLoss()
+        self.cross_entropy_losses = {
+            node.targets[0].id for node in ast.walk(self.function)
+            if isinstance(node, ast.Assign) and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Call)
+            and ast.unparse(node.value.func).split(".")[-1] == "CrossEntropyLoss"}
+
+    def returns(self) -> Optional[str]:
+        """What the forward returns of the head's output: "logits" (the logits themselves),
+        "output" (an output whose ``logits`` they are), or None when it does not call the head;
+        raises _Unsupported when it uses them otherwise."""
+        calls = self._head_calls()
+        if not calls:
+            return None
+        if len(calls) > 1:
+            raise _Unsupported(f"{self.owner}.forward calls its output embeddings in "
+                               f"{len(calls)} places")
+        ends = self._ends(*calls[0])
+        if self.outermost and not ends & {"loss_function", "cross_entropy"}:
+            raise _Unsupported(f"{self.owner}.forward computes no cross-entropy of its logits")
+        if "loss_function" in ends and _loss_function(self.module) is not ForCausalLMLoss:
+            name = getattr(_loss_function(self.module), "__name__", "another")
+            raise _Unsupported(f"its loss function is {name}, not transformers' "
+                               f"ForCausalLMLoss")
+        if "return" in ends:
+            return "logits"
+        if "output" in ends:
+            return "output"
+        raise _Unsupported(f"{self.owner}.forward, within, does not return its logits")
+
+    def check(self) -> None:
+        """Raise _Unsupported unless the forward calls the head once and uses its result only
+        as the patched forward reproduces it."""
+        if self.returns() is None:
+            raise _Unsupported(f"{self.owner}.forward does not call its output embeddings")
+
+    def _head_calls(self) -> list[tuple[ast.Call, str]]:
+        """The calls of the head, or of a submodule that returns its logits, with what they
+        return ("logits" or "output")."""
+        calls = []
+        for node in ast.walk(self.function):
+            if not isinstance(node, ast.Call):
+                continue
+            callee = self._submodule(node.func)
+            if callee is self.head:
+                calls.append((node, "logits"))
+            elif callee is not None and any(module is self.head for module in callee.modules()):
+                returns = _ForwardReading(callee, self.head, outermost=False).returns()
+                if returns is not None:
+                    calls.append((node, returns))
+        return calls
+
+    def _submodule(self, node: ast.expr) -> Optional[nn.Module]:
+        """The submodule that ``self.a.b`` names, else None."""
+        names = []
+        while isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        if not (isinstance(node, ast.Name) and node.id == self.self_name and names):
+            return None
+        module: Any = self.module
+        for name in reversed(names):
+            module = module._modules.get(name) if isinstance(module, nn.Module) else None
+        return module if isinstance(module, nn.Module) else None
+
+    def _ends(self, call: ast.Call, returns: str) -> set[str]:
+        """Follow the head's output through the names it is assigned to, up to its ends."""
+        ends: set[str] = set()
+        pending: list[ast.expr] = [call] if returns == "logits" else self._logits_of_output(call)
+        names: set[str] = set()
+        while pending:
+            name, end = self._climb(pending.pop())
+            ends.add(end)
+            if name is not None and name not in names:
+                names.add(name)
+                pending.extend(self._loads_after(name, call))
+        for node in ast.walk(self.function):
+            # logits *= scale
+            if (isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name)
+                    and node.target.id in names and not isinstance(node.op, _SCALE_OPERATORS)):
+                self._refuse(node)
+        return ends
+
+    def _logits_of_output(self, call: ast.Call) -> list[ast.expr]:
+        """``outputs.logits`` and ``outputs[0]`` of ``outputs = self.language_model(...)``;
+        other fields of the output are not the logits."""
+        name = self._assigned_name(call)
+        if name is None:
+            self._refuse(call)
+        logits = []
+        for node in self._loads_after(name, call):
+            use = self.parents.get(node)
+            if isinstance(use, ast.Attribute) and use.attr == "logits" or (
+                    isinstance(use, ast.Subscript) and ast.unparse(use.slice) == "0"):
+                logits.append(use)
+            elif not isinstance(use, (ast.Attribute, ast.Subscript)):
+                self._refuse(node)
+        return logits
+
+    def _assigned_name(self, node: ast.expr) -> Optional[str]:
+        """The name in ``name = node`` or ``name: Type = node``, else None."""
+        parent = self.parents.get(node)
+        if isinstance(parent, ast.Assign) and len(parent.targets) == 1:
+            target = parent.targets[0]
+        elif isinstance(parent, ast.AnnAssign) and parent.value is node:
+            target = parent.target
+        else:
+            return None
+        return target.id if isinstance(target, ast.Name) else None
+
+    def _loads_after(self, name: str, call: ast.Call) -> Iterator[ast.Name]:
+        after = (call.end_lineno, call.end_col_offset)
+        for node in ast.walk(self.function):
+            if (isinstance(node, ast.Name) and node.id == name
+                    and isinstance(node.ctx, ast.Load)
+                    and (node.lineno, node.col_offset) >= after):
+                yield node
+
+    def _climb(self, node: ast.expr) -> tuple[Optional[str], str]:
+        """From an expression that holds the logits, through what the stand-in reproduces, to
+        where they go: (the name they are assigned to, "name"), or (None, the end); raises
+        _Unsupported for anything else."""
+        while True:
+            parent = self.parents.get(node)
+            grandparent = self.parents.get(parent)
+            if isinstance(parent, ast.BinOp) and isinstance(parent.op, _SCALE_OPERATORS) and (
+                    parent.left is node or isinstance(parent.op, ast.Mult)):
+                node = parent  # logits * scale, scale * logits, logits / scale
+            elif (isinstance(parent, ast.Call) and parent.args == [node] and not parent.keywords
+                  and ast.unparse(parent.func).split(".")[-1] == "tanh"):
+                node = parent  # torch.tanh(logits)
+            elif isinstance(parent, ast.Subscript) and parent.value is node:
+                node = parent  # logits[:, start:-1, :], checked to keep the last dimension
+            elif (isinstance(parent, ast.Attribute) and parent.attr in _METHODS
+                  and isinstance(grandparent, ast.Call) and grandparent.func is parent):
+                node = grandparent  # logits.float(), logits.view(-1, vocab_size)
+            elif isinstance(parent, ast.Attribute) and parent.attr in _METADATA:
+                return None, "metadata"  # labels.to(logits.device)
+            else:
+                break
+        name = self._assigned_name(node)
+        if name is not None:
+            return name, "name"
+        if not self.outermost and isinstance(parent, ast.Return):
+            return None, "return"
+        end = self._end(node, parent)
+        if end is None:
+            self._refuse(node)
+        return None, end
+
+    def _end(self, node: ast.expr, parent: Optional[ast.AST]) -> Optional[str]:
+        call = self.parents.get(parent) if isinstance(parent, ast.keyword) else parent
+        if not isinstance(call, ast.Call):
+            return self._in_tuple_branch(node)
+        first = call.args[0] is node if call.args else False
+        keyword = isinstance(parent, ast.keyword)
+        callee = ast.unparse(call.func)
+        if callee == f"{self.self_name}.loss_function" and (
+                first or keyword and parent.arg == "logits"):
+            return "loss_function"  # self.loss_function(logits, labels, ...)
+        if first and (callee in self.cross_entropy_losses
+                      or callee.split(".")[-1] == "cross_entropy"):
+            return "cross_entropy"  # loss_fct(logits.view(-1, vocab_size), labels.view(-1))
+        if keyword and parent.arg == "logits" and "Output" in callee:
+            return "output"  # SomeOutput(..., logits=logits, ...)
+        return self._in_tuple_branch(node)
+
+    def _in_tuple_branch(self, node: ast.AST) -> Optional[str]:
+        """"tuple" within ``if not return_dict:``, which a patched forward does not take."""
+        while node in self.parents:
+            parent = self.parents[node]
+            if (isinstance(parent, ast.If) and node in parent.body
+                    and ast.unparse(parent.test) in ("not return_dict", "return_dict is False")):
+                return "tuple"
+            node = parent
+        return None
+
+    def _refuse(self, node: ast.AST) -> None:
+        while not isinstance(node, ast.stmt) and node in self.parents:
+            node = self.parents[node]
+        line = " ".join((ast.get_source_segment(self.source, node) or "").split())
+        if len(line) > 100:
+            line = line[:97] + "..."
+        where = "" if self.outermost else ", within,"
+        raise _Unsupported(f"{self.owner}.forward{where} does more with the logits than "
+                           f"cce reproduces: `{line}`")
+
+
+# --- The patched forward: the model's own, with a stand-in for the logits ----------------------
 
 def _forward_with_cce_loss(model: PreTrainedModel, args: tuple, kwargs: dict) -> Any:
     state: _Patch = model._cce_patch
     original_forward = state.instance_forward or types.MethodType(type(model).forward, model)
     arguments = _named_arguments(original_forward, args, kwargs)
-    labels = arguments.pop("labels", None)
-    logits_to_keep = arguments.pop("logits_to_keep", 0)
+    labels = arguments.get("labels")
+    logits_to_keep = arguments.get("logits_to_keep", 0)
     # logits_to_keep asks for logits, which only the model's own forward computes.
     keeps_every_position = isinstance(logits_to_keep, int) and logits_to_keep == 0
     if labels is None or not keeps_every_position:
         return original_forward(*args, **kwargs)
 
-    loss_arguments = {name: arguments.pop(name) for name in LOSS_ARGUMENTS if name in arguments}
-    return_dict = arguments.pop("return_dict", None)
-    outputs = model.model(**arguments, return_dict=True)
-    loss = _as_lm_head_forward(
-        model.lm_head, outputs.last_hidden_state,
-        lambda hidden_states: _causal_lm_loss(model, hidden_states, labels, state.options,
-                                              **loss_arguments))
-    output = CausalLMOutputWithPast(
-        loss=loss,
-        logits=None,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-        **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
-    )
+    return_dict = arguments.get("return_dict")
+    args, kwargs = _with_return_dict(original_forward, args, kwargs)
+    parent_path, _, name = state.head_path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    head = parent._modules[name]
+    parent._modules[name] = _HeadStandIn(head, state.options)
+    try:
+        output = original_forward(*args, **kwargs)
+    finally:
+        parent._modules[name] = head
+    if isinstance(output, tuple) or not isinstance(output.get("logits"), _DeferredLogits):
+        raise RuntimeError(f"cce: {type(model).__name__}.forward did not return the stand-in "
+                           f"of its logits; unpatch(model) to train it")
+    # The output without its logits, which were never computed.
+    output = type(output)(**{key: value for key, value in output.items() if key != "logits"})
     # The rule of transformers' can_return_tuple, which the model's own forward follows.
     if return_dict is None:
         return_dict = model.config.return_dict
     return output if return_dict else output.to_tuple()
 
 
-# The key-value cache's field: "cache" from transformers 5.24 on, whose "past_key_values" only
-# prints a deprecation notice; "past_key_values" before.
-_CACHE_FIELD = ("cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
-                else "past_key_values")
+def _with_return_dict(forward: Callable[..., Any], args: tuple,
+                      kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments with return_dict=True: an output whose logits can be left out."""
+    signature = inspect.signature(forward)
+    if "return_dict" in signature.parameters:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["return_dict"] = True
+        return bound.args, bound.kwargs
+    return args, {**kwargs, "return_dict": True}
 
 
-def _as_lm_head_forward(lm_head: nn.Module, hidden_states: torch.Tensor,
-                        loss: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``loss(hidden_states)``, run as ``lm_head``'s forward when FSDP2 shards ``lm_head``: outside
-    its forward, its weight is this rank's shard (a DTensor); the hooks of a call of ``lm_head``
+def _named_arguments(forward: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by name, ``**kwargs`` merged in: labels may come positionally."""
+    signature = inspect.signature(forward)
+    arguments = dict(signature.bind(*args, **kwargs).arguments)
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
+    return arguments
+
+
+class _HeadStandIn(nn.Module):
+    """Takes the place of the output embeddings during a patched forward: returns the stand-in
+    of the logits rather than computing them. Other attributes are the head's."""
+
+    def __init__(self, head: nn.Linear, options: dict[str, Any]) -> None:
+        super().__init__()
+        # Not submodules or parameters of the stand-in, which owns none of them.
+        self.__dict__.update(_head=head, _options=options)
+
+    def forward(self, hidden_states: torch.Tensor) -> _DeferredLogits:
+        return _DeferredLogits(hidden_states, self._head, self._options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_head"], name)
+
+
+class _DeferredLogits:
+    """The logits ``head(hidden_states)`` of a patched forward, never computed: the hidden
+    states, and what the forward applies to the logits (a scale, tanh), for their
+    cross-entropy to reproduce. Slices of the leading dimensions and views that flatten them
+    apply to the hidden states; any other use raises."""
+
+    def __init__(self, hidden_states: torch.Tensor, head: nn.Linear, options: dict[str, Any],
+                 operations: tuple = ()) -> None:
+        self.hidden_states, self.head, self.options = hidden_states, head, options
+        self.operations = operations  # ("scale", number) and ("tanh",), in order
+
+    def __repr__(self) -> str:
+        return f"_DeferredLogits(shape={tuple(self.shape)}, operations={self.operations})"
+
+    def _then(self, operation: tuple = (), hidden_states: Optional[torch.Tensor] = None,
+              ) -> _DeferredLogits:
+        return _DeferredLogits(self.hidden_states if hidden_states is None else hidden_states,
+                               self.head, self.options, self.operations + operation)
+
+    # What the logits would be.
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.hidden_states.shape[:-1], self.head.out_features))
+
+    def size(self, dim: Optional[int] = None) -> Union[torch.Size, int]:
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return self.hidden_states.dim()
+
+    ndim = property(dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.weight.dtype
+
+    # Scale and softcap.
+    def __mul__(self, factor: Any) -> _DeferredLogits:
+        return self._then((("scale", _scalar(factor)),))
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, divisor: Any) -> _DeferredLogits:
+        return self._then((("scale", 1 / _scalar(divisor)),))
+
+    def tanh(self) -> _DeferredLogits:
+        return self._then((("tanh",),))
+
+    # Casts: the loss is computed in float32 anyway.
+    def float(self) -> _DeferredLogits:
+        return self
+
+    def contiguous(self) -> _DeferredLogits:
+        return self
+
+    def to(self, *args: Any, **kwargs: Any) -> _DeferredLogits:
+        if all(isinstance(arg, torch.dtype) for arg in (*args, *kwargs.values())):
+            return self
+        raise _unreproduced_use(".to() other than a cast")
+
+    # Slices and views of the leading dimensions.
+    def __getitem__(self, index: Any) -> _DeferredLogits:
+        index = index if isinstance(index, tuple) else (index,)
+        explicit = [item for item in index if item is not None and item is not Ellipsis]
+        if Ellipsis in index or len(explicit) == self.dim():
+            # The index reaches the last dimension: it must keep all of it.
+            if index[-1] != slice(None):
+                raise _unreproduced_use("index of the vocabulary dimension")
+        return self._then(hidden_states=self.hidden_states[index])
+
+    def view(self, *shape: Any) -> _DeferredLogits:
+        shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        if not shape or shape[-1] not in (self.head.out_features, -1) or (
+                shape[-1] == -1 and -1 in shape[:-1]):
+            raise _unreproduced_use(f".view{shape} other than of the leading dimensions")
+        return self._then(hidden_states=self.hidden_states.reshape(
+            *shape[:-1], self.hidden_states.shape[-1]))
+
+    reshape = view
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tanh, torch.Tensor.tanh) and len(args) == 1 and not kwargs:
+            return args[0].tanh()
+        if func in (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__):
+            first, second = args
+            return first * second if isinstance(first, cls) else second * first
+        if func in (torch.div, torch.Tensor.div, torch.Tensor.__truediv__) and not kwargs:
+            first, second = args
+            if isinstance(first, cls):
+                return first / second
+        if func is nn.functional.cross_entropy and isinstance(args[0], cls):
+            return args[0].cross_entropy(*args[1:], **kwargs)
+        raise _unreproduced_use(getattr(func, "__name__", str(func)))
+
+    def __getattr__(self, name: str) -> Any:
+        raise _unreproduced_use(f".{name}")
+
+    def cross_entropy(
+        self,
+        target: torch.Tensor,
+        weight: Optional[torch.Tensor] = None,
+        size_average: Optional[bool] = None,
+        ignore_index: int = -100,
+        reduce: Optional[bool] = None,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+    ) -> torch.Tensor:
+        """``F.cross_entropy(logits, target, ...)`` of these (flattened) logits, by cce, with
+        the patch's options (its weight and label smoothing, else the call's)."""
+        if size_average is not None or reduce is not None:
+            raise _unreproduced_use("cross-entropy with size_average or reduce")
+        if self.hidden_states.dim() != 2 or target.shape != self.hidden_states.shape[:1]:
+            raise _unreproduced_use("cross-entropy of logits not flattened to (tokens, vocabulary)")
+        options = dict(self.options)
+        if options["weight"] is None:
+            options["weight"] = weight
+        if options["label_smoothing"] == 0.0:
+            options["label_smoothing"] = label_smoothing
+        scale, softcap = _scale_and_softcap(self.operations)
+        return _as_head_forward(
+            self.head, self.hidden_states,
+            lambda hidden_states: _cross_entropy(
+                self.head, hidden_states, target, scale=scale, softcap=softcap,
+                ignore_index=ignore_index, reduction=reduction, **options))
+
+
+def _unreproduced_use(what: str) -> AttributeError:
+    return AttributeError(f"cce: a patched forward uses its logits' {what}, but never computes "
+                          f"the logits; unpatch(model) to run this forward")
+
+
+def _scalar(value: Any) -> Union[float, torch.Tensor]:
+    """A logit scale: a number, or a tensor of one element (kept: a learnt scale trains)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.reshape(())
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise _unreproduced_use(f"product with a {type(value).__name__}")
+
+
+def _scale_and_softcap(operations: tuple) -> tuple[Union[float, torch.Tensor], Optional[float]]:
+    """What ``operations`` make of logits z, ``b * tanh(a * z)`` (or ``a * z``), as
+    ``softcap(s * z)`` with softcap(x) = cap * tanh(x / cap): s = a * b and cap = |b|, whichever
+    order the forward applies its scale and softcap in (Gemma 2's softcap, z / cap, tanh, * cap,
+    is s = 1). (With linear_cross_entropy's temperature, softcap(z) / temperature, it is
+    cap = 1 / a and temperature = 1 / (a * b).)"""
+    factors: list[Union[float, torch.Tensor]] = [1.0]
+    for operation in operations:
+        if operation[0] == "scale":
+            factors[-1] = factors[-1] * operation[1]
+        elif len(factors) == 1:
+            factors.append(1.0)
+        else:
+            raise _unreproduced_use("tanh of a tanh")
+    if len(factors) == 1:
+        return factors[0], None
+    before, after = factors
+    if isinstance(after, torch.Tensor) or after == 0:
+        raise _unreproduced_use("tanh times a tensor or 0")
+    return before * after, abs(after)
+
+
+def _as_head_forward(head: nn.Module, hidden_states: torch.Tensor,
+                     loss: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``loss(hidden_states)``, run as the head's forward when FSDP2 shards the head: outside
+    its forward, its weight is this rank's shard (a DTensor); the hooks of a call of the head
     gather the weight for the loss and reduce its gradient in the backward."""
-    if not _is_fsdp2_module(lm_head):
+    if not _is_fsdp2_module(head):
         return loss(hidden_states)
-    instance_forward = lm_head.__dict__.get("forward")
-    lm_head.forward = loss
+    instance_forward = head.__dict__.get("forward")
+    head.forward = loss
     try:
-        return lm_head(hidden_states)
+        return head(hidden_states)
     finally:
         if instance_forward is None:
-            del lm_head.forward
+            del head.forward
         else:
-            lm_head.forward = instance_forward
+            head.forward = instance_forward
 
 
 def _is_fsdp2_module(module: nn.Module) -> bool:
@@ -216,55 +684,40 @@ def _is_fsdp2_module(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def _named_arguments(forward: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The call's arguments by name, ``**kwargs`` merged in: labels may come positionally."""
-    signature = inspect.signature(forward)
-    arguments = dict(signature.bind(*args, **kwargs).arguments)
-    for name, parameter in signature.parameters.items():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            arguments.update(arguments.pop(name, {}))
-    return arguments
-
-
-def _causal_lm_loss(
-    model: PreTrainedModel,
+def _cross_entropy(
+    head: nn.Linear,
     hidden_states: torch.Tensor,
-    labels: torch.Tensor,
-    options: dict[str, Any],
+    targets: torch.Tensor,
     *,
-    shift_labels: Optional[torch.Tensor] = None,
-    num_items_in_batch: Union[torch.Tensor, int, None] = None,
-    ignore_index: int = -100,
+    scale: Union[float, torch.Tensor],
+    softcap: Optional[float],
+    **options: Any,
 ) -> torch.Tensor:
-    """transformers' ForCausalLMLoss of ``softcap(lm_head(hidden_states))``, without the logits."""
-    weight, bias = model.lm_head.weight, model.lm_head.bias
+    """``F.cross_entropy(softcap(scale * head(hidden_states)), targets, ...)`` by cce, without
+    the logits."""
+    weight, bias = head.weight, head.bias
     device_type = weight.device.type
-    # Under autocast, lm_head would multiply in the autocast dtype; cce needs one dtype anyway.
+    # Under autocast, the head would multiply in the autocast dtype; cce needs one dtype anyway.
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
     else:
         dtype = weight.dtype
-    # With a model split over devices, the loss runs where lm_head lives, as lm_head would.
+    # With a model split over devices, the loss runs where the head lives, as the head would.
     embeddings = hidden_states.to(device=weight.device, dtype=dtype)
-    if shift_labels is None:
-        targets, shift = labels, 1  # position i predicts labels[i + 1]
-    else:
-        targets, shift = shift_labels, 0
-    loss = cce.linear_cross_entropy(
-        embeddings,
-        weight.to(dtype),
-        targets.to(weight.device),
-        bias=None if bias is None else bias.to(dtype),
-        ignore_index=ignore_index,
-        softcap=getattr(model.config, "final_logit_softcapping", None),
-        reduction="mean" if num_items_in_batch is None else "sum",
-        shift=shift,
-        **options,
-    )
-    if num_items_in_batch is None:
-        return loss
-    if isinstance(num_items_in_batch, torch.Tensor):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    # The trainer counts the tokens of all accumulated micro-batches: the sum of the
-    # micro-batch losses is then the loss of one big batch.
-    return loss / num_items_in_batch
+    bias = None if bias is None else bias.to(dtype)
+    embeddings, bias = _logit_scale_as_scaled_embeddings(embeddings, bias, scale)
+    return cce.linear_cross_entropy(embeddings, weight.to(dtype), targets.to(weight.device),
+                                    bias=bias, softcap=softcap, **options)
+
+
+def _logit_scale_as_scaled_embeddings(
+    embeddings: torch.Tensor, bias: Optional[torch.Tensor], scale: Union[float, torch.Tensor],
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Logits ``scale * (e @ c.T + b)`` as ``(scale * e) @ c.T + scale * b``: exact, and a
+    gradient flows to a learnt scale. (To become linear_cross_entropy's ``temperature`` when it
+    has it: see _scale_and_softcap.)"""
+    if not isinstance(scale, torch.Tensor) and math.isclose(scale, 1.0, rel_tol=1e-12):
+        return embeddings, bias
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(device=embeddings.device, dtype=embeddings.dtype)
+    return embeddings * scale, None if bias is None else bias * scale

@@ -1,0 +1,411 @@
+"""Which transformers models cce.integrations.transformers.patch trains exactly: docs/models.md.
+
+Every model type of transformers' causal-LM and image-text-to-text mappings (each class it maps
+to) is built tiny from its config (no downloads: hidden 32, 2 layers, 4 heads, vocabulary 256,
+4 experts), float32, on the CPU, with cce's chunked PyTorch path. ``patch`` accepts it or
+refuses it with its reason. An accepted model must be exact against the unpatched model, with
+ignored labels (-100: a prompt, padding): the loss of one big batch (relative error 1e-5); then
+gradient accumulation, two micro-batches with ``num_items_in_batch``: the summed loss (1e-5)
+and every parameter's gradient (1e-4), and the summed loss equal to the big batch's wherever the
+model's own loss is (it takes num_items_in_batch and has no router loss, which is not a sum
+over tokens). Mixtures of experts run with ``output_router_logits`` on, so that their router
+loss (``router_aux_loss_coef`` times ``aux_loss``) is part of the loss, and ``aux_loss`` is
+compared too. The model's head must not run (no logits).
+
+The table of docs/models.md is what this file finds: ``CCE_WRITE_MODEL_TABLE=1 python -m pytest
+tests/test_model_coverage.py`` writes it; otherwise the test asserts that the committed table is
+the one it finds (with the transformers version it was written with), so it cannot go stale.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import AutoConfig  # noqa: E402
+from transformers.models.auto.modeling_auto import (  # noqa: E402
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+from cce.integrations.transformers import patch  # noqa: E402
+from tests.reference import relative_error  # noqa: E402
+
+TABLE = Path(__file__).resolve().parent.parent / "docs" / "models.md"
+LOSS_TOLERANCE, GRADIENT_TOLERANCE = 1e-5, 1e-4  # float32
+# A parameter's gradient smaller than this part of the whole gradient's norm is measured
+# against that floor instead of its own norm: a key projection's bias has a gradient that is
+# zero in exact arithmetic (softmax ignores a constant added to every score), float32 noise of
+# 1e-12 to 1e-8 of the whole gradient's norm on both sides, whose relative error means nothing.
+GRADIENT_FLOOR = 1e-3
+BATCH, SEQ, VOCAB, LAYERS = 2, 12, 256, 2
+# cce's chunked PyTorch path: the kernels' path in Triton's interpreter takes 100 times longer.
+IMPL = "cce_torch"
+
+# The tiny size of every config entry of these names, in the config and its sub-configs
+# (text, vision, ...); lists of one entry per layer keep their first LAYERS entries.
+TINY = {
+    "vocab_size": VOCAB, "n_words": VOCAB, "decoder_vocab_size": VOCAB,
+    "hidden_size": 32, "n_embd": 32, "d_model": 32, "embed_dim": 32, "dim": 32,
+    "intermediate_size": 64, "n_inner": 64, "ffn_dim": 64, "ffn_hidden_size": 64,
+    "intermediate_size_mlp": 64, "shared_intermediate_size": 32,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "expert_ffn_hidden_size": 32, "projection_dim": 32,
+    # Janus's image-generation head: a codebook of this many image tokens of this size.
+    "num_embeddings": 64, "image_token_embed_dim": 32,
+    "num_hidden_layers": LAYERS, "n_layer": LAYERS, "n_layers": LAYERS, "num_layers": LAYERS,
+    "decoder_layers": LAYERS, "encoder_layers": LAYERS,
+    "decoder_ffn_dim": 64, "encoder_ffn_dim": 64,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_top_k": 2, "moe_k": 2,
+    "n_group": 1, "topk_group": 1,
+    "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+    # Multi-head latent attention and partial rotary embeddings.
+    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+    "qk_head_dim": 8, "v_head_dim": 8, "rotary_dim": 4,
+    # Mamba 2 layers: heads * head dim = expand (2) * hidden.
+    "mamba_n_heads": 8, "mamba_d_head": 8,
+    "max_position_embeddings": 128, "n_positions": 128,
+    # Logits far from uniform: a scale or a softcap changes the loss by far more than the
+    # tolerance.
+    "initializer_range": 0.2,
+}
+# The ids of these tokens when the config's are beyond the tiny vocabulary.
+SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+# Config entries set to 0, so that one big batch and two micro-batches see the same model.
+NO_RANDOMNESS = ("dropout", "pdrop", "jitter", "drop_path")
+# Per model type: config entries beyond TINY (sub-configs as dicts), for the model to build
+# tiny and to run the parts the patch must reproduce (its router loss, its logit scale).
+MROPE = {"text_config": {"rope_parameters": {"mrope_section": [2, 1, 1]}}}  # head dim 8
+CONFIG = {
+    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "paddleocr_vl", "glm4v", "glm46v", "glmga",
+                     "glm_ocr"), MROPE),
+    "glm4v_moe": {"text_config": {"rope_parameters": {"mrope_section": [1, 1, 0]}}},
+    # Layer 0 Mamba and dense, layer 1 attention and experts.
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1),
+    "dbrx": dict(attn_config=dict(clip_qkv=8.0), ffn_config=dict(moe_top_k=2)),
+    "mamba2": dict(num_heads=8),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
+}
+# Per model type: config attributes set after it is built (dotted paths into sub-configs):
+# DBRX's default config does not build in transformers 5.24 without this.
+SET_AFTER = {"dbrx": {"attn_config.rope_theta": 10000.0}}
+# Per (model type, class): why it is not tested: it needs a package or inputs this test does
+# not have, or no tiny config was found that builds and runs (each with the cause seen).
+TIMM = "needs the timm package"
+TEXT_CONFIG = "the class takes the text config: see {}"
+TINY_FAILS = "no tiny config found that builds and runs ({})"
+NOT_TESTED = {
+    ("gemma3n", "Gemma3nForConditionalGeneration"): TIMM,
+    ("fast_vlm", "FastVlmForConditionalGeneration"): TIMM,
+    ("perception_lm", "PerceptionLMForConditionalGeneration"): TIMM,
+    ("llama4", "Llama4ForCausalLM"): TEXT_CONFIG.format("llama4_text"),
+    ("qwen3_5", "Qwen3_5ForCausalLM"): TEXT_CONFIG.format("qwen3_5_text"),
+    ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"): TEXT_CONFIG.format("qwen3_5_moe_text"),
+    ("qwen4_exp", "Qwen4ExpForCausalLM"): TEXT_CONFIG.format("qwen4_exp_text"),
+    ("llama4", "Llama4ForConditionalGeneration"):
+        "its own forward fails on text alone in transformers 5.24 (`outputs.image_outputs`)",
+    ("git", "GitForCausalLM"): "its loss slices off image tokens: needs pixel_values",
+    ("pp_formulanet", "PPFormulaNetForConditionalGeneration"): "needs pixel_values",
+    ("udop", "UdopForConditionalGeneration"): "an encoder-decoder: needs decoder inputs",
+    ("xmod", "XmodForCausalLM"): "needs a language chosen (set_default_language)",
+    ("musicgen", "MusicgenForCausalLM"): "an audio-codebook decoder",
+    ("musicgen_melody", "MusicgenMelodyForCausalLM"): "an audio-codebook decoder",
+    **{row: TINY_FAILS.format(cause) for row, cause in {
+        ("bailing_hybrid", "BailingHybridForCausalLM"): "linear-attention head sizes",
+        ("blt", "BltForCausalLM"): "separate encoder, global and decoder configs",
+        ("cohere_compass_text", "CohereCompassForCausalLM"): "KeyError 'full_attention'",
+        ("cohere_compass", "CohereCompassForConditionalGeneration"):
+            "KeyError 'full_attention'",
+        ("deepseek_v2", "DeepseekV2ForCausalLM"): "routing top-k is None",
+        ("deepseek_v4", "DeepseekV4ForCausalLM"): "compressed-attention shapes",
+        ("dory", "DoryForCausalLM"): "input, recurrent and output layer counts",
+        ("dots1", "Dots1ForCausalLM"): "TypeError at init",
+        ("dots3_note", "Dots3NoteForCausalLM"): "per-layer config of 40 layers",
+        ("dots3_note_text", "Dots3NoteForCausalLM"): "per-layer config of 40 layers",
+        ("dots3_note", "Dots3NoteForConditionalGeneration"): "per-layer config of 40 layers",
+        ("emu3", "Emu3ForCausalLM"): "no pad_token_id in its config",
+        ("emu3", "Emu3ForConditionalGeneration"): "VQ-VAE config",
+        ("falcon_h1", "FalconH1ForCausalLM"): "Mamba head state sizes",
+        ("flint", "FlintForCausalLM"): "IndexError in the forward",
+        ("gemma3n_text", "Gemma3nForCausalLM"): "cache-sharing layer types",
+        ("gemma4", "Gemma4ForConditionalGeneration"): "per-layer config of 30 layers",
+        ("gemma4_text", "Gemma4ForCausalLM"): "per-layer config of 30 layers",
+        ("gemma4_assistant", "Gemma4AssistantForCausalLM"): "hidden_size_per_layer_input",
+        ("gemma4_unified", "Gemma4UnifiedForConditionalGeneration"):
+            "per-layer config of 30 layers",
+        ("gemma4_unified_assistant", "Gemma4UnifiedAssistantForCausalLM"):
+            "per-layer config of 30 layers",
+        ("gemma4_unified_text", "Gemma4UnifiedForCausalLM"): "per-layer config of 30 layers",
+        ("diffusion_gemma", "DiffusionGemmaForBlockDiffusion"):
+            "per-layer config of 30 layers",
+        ("hrm_text", "HrmTextForCausalLM"): "IndexError in the forward",
+        ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"): "rope scaling entries",
+        ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"): "rope scaling entries",
+        ("hunyuan_vl", "HunYuanVLForConditionalGeneration"): "rope scaling entries",
+        ("ministral", "MinistralForCausalLM"): "rope scaling entries",
+        ("kimi_linear", "KimiLinearForCausalLM"): "top-k of the tiny router",
+        ("lfm2_moe", "Lfm2MoeForCausalLM"): "layer config",
+        ("nemotron", "NemotronForCausalLM"): "head dimension",
+        ("qwen4_exp_text", "Qwen4ExpForCausalLM"): "head dimension",
+        ("qwen4_exp", "Qwen4ExpForConditionalGeneration"): "head dimension",
+        ("recurrent_gemma", "RecurrentGemmaForCausalLM"): "block types",
+        ("reformer", "ReformerModelWithLMHead"): "axial position shapes, is_decoder",
+        ("xlnet", "XLNetLMHeadModel"): "d_head",
+        ("zamba", "ZambaForCausalLM"): "tied shared-transformer layers",
+        ("zamba2", "Zamba2ForCausalLM"): "Mamba head shapes",
+        ("zaya", "ZayaForCausalLM"): "experts per token",
+        ("apertus1p5", "Apertus1p5ForConditionalGeneration"): "audio tokenizer config",
+        ("chameleon", "ChameleonForConditionalGeneration"): "VQ config",
+        ("cosmos3_edge", "Cosmos3EdgeForConditionalGeneration"): "mrope sections",
+        ("deepseek_ocr2", "DeepseekOcr2ForConditionalGeneration"): "vision config",
+        ("ernie4_5_vl_moe", "Ernie4_5_VLMoeForConditionalGeneration"): "expert groups",
+        ("glm5_next", "Glm5NextForConditionalGeneration"): "attention layer kinds",
+        ("granite4_vision", "Granite4VisionForConditionalGeneration"): "vision config",
+        ("granite_docling", "GraniteDoclingForConditionalGeneration"): "vision output size",
+        ("hy_v4_vl", "HYV4VLForConditionalGeneration"): "mrope sections",
+        ("inkling2", "Inkling2ForConditionalGeneration"): "vision output size",
+        ("inkling2_loop", "Inkling2LoopForConditionalGeneration"): "vision output size",
+        ("molmo2", "Molmo2ForConditionalGeneration"): "vision feature layers",
+        ("muse_spark", "MuseSparkForConditionalGeneration"): "audio output size",
+        ("qwen2_5_omni_thinker", "Qwen2_5OmniThinkerForConditionalGeneration"):
+            "vision_start_token_id",
+        ("qwen3_omni_moe_thinker", "Qwen3OmniMoeThinkerForConditionalGeneration"):
+            "vision_start_token_id",
+        ("step3p7", "Step3p7ForConditionalGeneration"): "sliding_window",
+    }.items()},
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one thread each, faster than several (and far faster on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rows() -> list[tuple[str, str]]:
+    """(model type, class name) of every entry of the two mappings, each pair once."""
+    pairs = dict.fromkeys(list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
+                          + list(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()))
+    return [(model_type, name) for model_type, name in pairs if isinstance(name, str)]
+
+
+def _tiny_entries(entries: dict[str, Any]) -> dict[str, Any]:
+    layers = next((entries[name] for name in ("num_hidden_layers", "n_layer", "n_layers",
+                                              "num_layers") if isinstance(entries.get(name), int)),
+                  None)
+    tiny: dict[str, Any] = {}
+    for name, value in entries.items():
+        if isinstance(value, dict) and "model_type" in value:
+            tiny[name] = _tiny_entries(value)
+        elif name in TINY and isinstance(value, int) and not isinstance(value, bool):
+            tiny[name] = TINY[name]
+        elif name == "initializer_range":
+            tiny[name] = TINY[name]
+        elif isinstance(value, float) and any(word in name for word in NO_RANDOMNESS):
+            tiny[name] = 0.0
+        elif isinstance(value, list) and layers and len(value) == layers != LAYERS:
+            # One layer of each kind (attention and linear attention, dense and experts, ...).
+            kinds = [kind for index, kind in enumerate(value) if kind not in value[:index]]
+            tiny[name] = (kinds * LAYERS)[:LAYERS]
+        elif name in SPECIAL_TOKENS and isinstance(value, int) and value >= VOCAB:
+            tiny[name] = SPECIAL_TOKENS[name]
+        elif name in SPECIAL_TOKENS and isinstance(value, list):
+            tiny[name] = [token for token in value if token < VOCAB] or SPECIAL_TOKENS[name]
+        else:
+            tiny[name] = value
+    if "qk_rope_head_dim" in tiny:  # multi-head latent attention: head_dim is the rotary part
+        tiny.update(head_dim=TINY["qk_rope_head_dim"], num_key_value_heads=TINY["n_heads"])
+    if "first_k_dense_replace" in tiny:  # a layer of experts among the two
+        tiny.update(first_k_dense_replace=1)
+    return tiny
+
+
+def _merge(entries: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(entries)
+    for name, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(name), dict):
+            merged[name] = _merge(merged[name], value)
+        else:
+            merged[name] = value
+    return merged
+
+
+def tiny_config(model_type: str) -> transformers.PretrainedConfig:
+    config = AutoConfig.for_model(model_type)
+    entries = _merge(_tiny_entries(config.to_dict()), CONFIG.get(model_type, {}))
+    for name in ("model_type", "transformers_version"):
+        entries.pop(name, None)
+    config = type(config)(**entries)
+    for path, value in SET_AFTER.get(model_type, {}).items():
+        *parents, name = path.split(".")
+        setattr(functools.reduce(getattr, parents, config), name, value)
+    if hasattr(config, "output_router_logits"):
+        config.output_router_logits = True
+    return config
+
+
+def special_token_ids(config: Any) -> set[int]:
+    """The ids a config names (image, pad, ... tokens): random input ids avoid them."""
+    entries = config.to_dict() if hasattr(config, "to_dict") else config
+    ids = set()
+    for name, value in entries.items():
+        if isinstance(value, dict):
+            ids |= special_token_ids(value)
+        elif isinstance(name, str) and name.endswith(("token_id", "token_index", "token_ids")):
+            ids |= {value} if isinstance(value, int) else set(value or ()) if isinstance(
+                value, list) else set()
+    return ids
+
+
+def build(model_type: str, class_name: str, device: str = "cpu") -> torch.nn.Module:
+    config = tiny_config(model_type)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, class_name)(config)
+    return model.float().train()
+
+
+@functools.lru_cache(maxsize=None)
+def status(model_type: str, class_name: str) -> str:
+    """"exact", "refused: why" or "not tested: why", as the table writes it (built on the meta
+    device, where nothing is computed: patch reads the model; the exactness is
+    test_patched_model_is_exact's)."""
+    if (model_type, class_name) in NOT_TESTED:
+        return f"not tested: {NOT_TESTED[model_type, class_name]}"
+    model = build(model_type, class_name, "meta")
+    try:
+        patch(model)
+    except ValueError as refusal:
+        return f"refused: {str(refusal).split(' is not supported: ', 1)[-1]}"
+    return "exact"
+
+
+def make_batch(gen: torch.Generator, config: Any) -> dict[str, torch.Tensor]:
+    """Input ids, attention mask and labels: a masked prompt in row 0, right padding in row 1."""
+    input_ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+    for special in special_token_ids(config):
+        input_ids[input_ids == special] = 3 if special != 3 else 4
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -3:] = 0
+    labels = input_ids.clone()
+    labels[0, :4] = -100
+    labels[attention_mask == 0] = -100
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: parameter.grad for name, parameter in model.named_parameters()
+            if parameter.grad is not None}
+
+
+def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    expected, found = gradients(reference), gradients(model)
+    assert found.keys() == expected.keys()
+    floor = GRADIENT_FLOOR * torch.cat([grad.flatten() for grad in expected.values()]).norm()
+    for name, grad in expected.items():
+        error = (found[name] - grad).double().norm() / max(grad.double().norm(), floor)
+        assert error <= GRADIENT_TOLERANCE, f"gradient of {name}: relative error {error:.2e}"
+
+
+def table_version() -> str:
+    """The transformers version docs/models.md was written with."""
+    return TABLE.read_text().split(" with transformers ", 1)[1].split(" ", 1)[0]
+
+
+@pytest.mark.parametrize("model_type, class_name", rows())
+def test_patched_model_is_exact(model_type: str, class_name: str, gen: torch.Generator) -> None:
+    try:
+        found = status(model_type, class_name)
+        if found != "exact":
+            pytest.skip(found)
+        reference = build(model_type, class_name)
+    except Exception as error:
+        # The tiny configs and NOT_TESTED are those of the table's transformers version; another
+        # version may not build a model tiny (a failure in that version, a skip in others).
+        if transformers.__version__ == table_version():
+            raise
+        pytest.skip(f"not built tiny with transformers {transformers.__version__}: {error!r}")
+    model = patch(copy.deepcopy(reference), impl=IMPL)
+    head_calls = []
+    model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
+    inputs = make_batch(gen, reference.config)
+    micro_batches = [{name: tensor[row:row + 1] for name, tensor in inputs.items()}
+                     for row in range(BATCH)]
+    num_items_in_batch = (inputs["labels"][:, 1:] != -100).sum()
+
+    # The mean over one big batch, without num_items_in_batch.
+    with torch.no_grad():
+        expected_mean = reference(**inputs)
+        mean = model(**inputs)
+    assert relative_error(mean.loss, expected_mean.loss) <= LOSS_TOLERANCE
+    if getattr(expected_mean, "aux_loss", None) is not None:
+        assert relative_error(mean.aux_loss, expected_mean.aux_loss) <= LOSS_TOLERANCE
+    # Gradient accumulation: two micro-batches with num_items_in_batch.
+    loss = expected = 0.0
+    for micro_batch in micro_batches:
+        output = model(**micro_batch, num_items_in_batch=num_items_in_batch)
+        assert output.logits is None
+        output.loss.backward()
+        loss += output.loss.detach()
+        reference_loss = reference(**micro_batch, num_items_in_batch=num_items_in_batch).loss
+        reference_loss.backward()
+        expected += reference_loss.detach()
+    assert relative_error(loss, expected) <= LOSS_TOLERANCE
+    # Which is one big batch, where the model's own loss is (it takes num_items_in_batch, and
+    # its router loss, if any, is off).
+    if (not getattr(reference.config, "output_router_logits", False)
+            and relative_error(expected, expected_mean.loss) <= LOSS_TOLERANCE):
+        assert relative_error(loss, expected_mean.loss) <= LOSS_TOLERANCE
+    assert_same_gradients(model, reference)
+    assert not head_calls, "the patched model computed logits"
+
+
+def table() -> str:
+    lines = [
+        "# Models that `cce.integrations.transformers.patch` trains exactly",
+        "",
+        f"Generated by tests/test_model_coverage.py with transformers {transformers.__version__}"
+        f" (`CCE_WRITE_MODEL_TABLE=1 python -m pytest tests/test_model_coverage.py`); the test",
+        "fails when this table is not what it finds. Every model type of transformers'",
+        "causal-LM and image-text-to-text mappings is built tiny from its config (float32, CPU).",
+        "*exact*: the patched model's loss and every parameter's gradient match the unpatched",
+        "model's (relative error 1e-5 and 1e-4), with ignored labels, gradient accumulation",
+        "(`num_items_in_batch`) and, for mixtures of experts, their router loss. *refused*:",
+        "`patch` raises a `ValueError` with the reason given. *not tested*: the tiny model",
+        "cannot be built or run here, for the reason given.",
+        "",
+    ]
+    statuses = {row: status(*row) for row in rows()}
+    counts = {kind: sum(found.startswith(kind) for found in statuses.values())
+              for kind in ("exact", "refused", "not tested")}
+    lines += [", ".join(f"{count} {kind}" for kind, count in counts.items()) + ".", "",
+              "| model type | class | status |", "|---|---|---|"]
+    for (model_type, class_name), found in sorted(statuses.items()):
+        found = found.replace("|", "\\|")
+        lines.append(f"| {model_type} | {class_name} | {found} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_support_table_is_what_this_file_finds() -> None:
+    found = table()
+    if os.environ.get("CCE_WRITE_MODEL_TABLE"):
+        TABLE.write_text(found)
+        return
+    committed = TABLE.read_text()
+    if table_version() != transformers.__version__:
+        pytest.skip(f"{TABLE.name} was written with another transformers version")
+    assert committed == found, (f"{TABLE} is stale: regenerate it with "
+                                f"CCE_WRITE_MODEL_TABLE=1 python -m pytest {Path(__file__).name}")
