@@ -10,12 +10,15 @@ Class weights and label smoothing go to ``F.cross_entropy`` as they are.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 
 from cce.weighting import LossWeighting
+
+if TYPE_CHECKING:
+    from cce.options import LossOptions
 
 NUM_CHUNKS = 8
 
@@ -54,21 +57,25 @@ def _compile_settings():
     return torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True)
 
 
-def torch_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False,
-               filter_correction=False, weighting=LossWeighting()):
-    """Materialize the logits; filter_eps, vocab_sorting and filter_correction do not apply
-    (exact gradients)."""
-    return _logits_loss_lse(e, c, targets, bias, softcap, weighting)
+# The baselines compute exact gradients: of the options, only softcap applies.
 
 
-def torch_compile_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False,
-                       filter_correction=False, weighting=LossWeighting()):
+def torch_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+               bias: Optional[torch.Tensor], weighting: LossWeighting, options: LossOptions):
+    """Materialize the logits."""
+    return _logits_loss_lse(e, c, targets, bias, options.softcap, weighting)
+
+
+def torch_compile_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                       bias: Optional[torch.Tensor], weighting: LossWeighting,
+                       options: LossOptions):
     with _compile_settings():
-        return _compiled()(e, c, targets, bias, softcap, weighting)
+        return _compiled()(e, c, targets, bias, options.softcap, weighting)
 
 
-def chunked_loss(e, c, targets, bias, softcap, filter_eps=None, vocab_sorting=False,
-                 filter_correction=False, weighting=LossWeighting()):
+def chunked_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                 bias: Optional[torch.Tensor], weighting: LossWeighting, options: LossOptions):
+    softcap = options.softcap
     compiled = _compiled()
     with _compile_settings():
         chunks = [compiled(e_chunk, c, target_chunk, bias, softcap, weighting)

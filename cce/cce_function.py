@@ -13,7 +13,7 @@ tensor. The gradients are differentiable once: differentiating them raises
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 import triton
@@ -27,6 +27,9 @@ from cce.live_tiles import live_tiles
 from cce.vocab_order import sort_vocabulary, target_positions
 from cce.weighting import (LossWeighting, RankOneTerm, lse_and_cross_entropy, target_complement,
                            target_entry)
+
+if TYPE_CHECKING:
+    from cce.options import LossOptions
 
 
 class ForwardResults(NamedTuple):
@@ -313,22 +316,20 @@ def _or_empty(tensor: Optional[torch.Tensor], dtype: torch.dtype,
 
 
 def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-             bias: Optional[torch.Tensor], softcap: Optional[float],
-             filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
-             weighting: LossWeighting = LossWeighting(), *, deterministic: bool = False,
-             keep_tiles: bool = False):
+             bias: Optional[torch.Tensor], weighting: LossWeighting, options: LossOptions):
     """Canonical-signature entry point of the Triton kernels (see :mod:`cce.loss`): CUDA
-    tensors, or CPU tensors in Triton's interpreter. ``deterministic`` and ``keep_tiles``: see
-    :func:`cce.linear_cross_entropy`."""
+    tensors, or CPU tensors in Triton's interpreter; ``options`` resolved."""
     if e.shape[0] == 0:
         return tokenless_loss(e, c, bias)
     if bias is not None:
         bias = bias.contiguous()  # the kernels index it with unit stride
     # Grad mode is off inside the op, where the forward must know whether a backward follows.
     needs_grad = needs_gradient(e, c, bias)
-    arguments = (e, c, bias, targets.contiguous(), weighting.weight, softcap, filter_eps,
-                 vocab_sorting, filter_correction, weighting.label_smoothing, deterministic,
-                 keep_tiles, needs_grad, needs_grad and c.requires_grad)
+    # The custom op's schema takes tensors and scalars: the options go flat here.
+    arguments = (e, c, bias, targets.contiguous(), weighting.weight, options.softcap,
+                 options.filter_eps, options.vocab_sorting, options.filter_correction,
+                 weighting.label_smoothing, options.deterministic, options.keep_tiles,
+                 needs_grad, needs_grad and c.requires_grad)
     loss, lse, *_ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
                      else loss_forward(*arguments))
     return loss, lse

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -24,20 +24,20 @@ from cce.autograd import differentiable_once
 from cce.weighting import (LossWeighting, lse_and_cross_entropy, target_complement,
                            target_entry)
 
+if TYPE_CHECKING:
+    from cce.options import LossOptions
+
 # Bytes of float32 logits per chunk of tokens (at least one token per chunk).
 CHUNK_LOGIT_BYTES = 32 * 2**20
 
 
 def chunked_torch_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                       bias: Optional[torch.Tensor], softcap: Optional[float],
-                       filter_eps: Optional[float] = None, vocab_sorting: bool = False,
-                       filter_correction: bool = False,
-                       weighting: LossWeighting = LossWeighting(),
-                       ) -> "tuple[torch.Tensor, torch.Tensor]":
+                       bias: Optional[torch.Tensor], weighting: LossWeighting,
+                       options: LossOptions) -> "tuple[torch.Tensor, torch.Tensor]":
     """Per-token loss (F.cross_entropy's with ``weighting``, 0 at ignored tokens) and LSE,
-    float32 (N,), on the device of the inputs; ``filter_eps``, ``vocab_sorting`` and
-    ``filter_correction`` do not apply."""
-    loss, lse, _ = ChunkedLinearCrossEntropy.apply(e, c, bias, targets, softcap,
+    float32 (N,) (float64 for float64 inputs), on the device of the inputs. Exact gradients:
+    of the options, only ``softcap`` applies."""
+    loss, lse, _ = ChunkedLinearCrossEntropy.apply(e, c, bias, targets, options.softcap,
                                                    weighting.weight, weighting.label_smoothing)
     return loss, lse
 

@@ -11,11 +11,10 @@ all of them.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import operator
-from typing import Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
-import numpy as np
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
@@ -24,29 +23,26 @@ from cce import baselines
 from cce.chunked_torch import chunked_torch_loss
 from cce.config import KERNEL_DTYPES, kernels_take
 from cce.host_copy import start_host_copy
+from cce.options import IMPLEMENTATION_NAMES, LossOptions, default_filter_eps
 from cce.weighting import LossWeighting
-from cce.vocab_parallel import (VocabParallelOptions, check_options, check_shards,
-                                reject_dtensors, vocab_parallel_loss)
+from cce.vocab_parallel import (VocabParallelOptions, check_shards, reject_dtensors,
+                                vocab_parallel_loss)
 
 Implementation = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 
 
 def kernels_or_chunked_torch(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                             bias: Optional[torch.Tensor], softcap: Optional[float],
-                             filter_eps: Optional[float], vocab_sorting: bool,
-                             filter_correction: bool, weighting: LossWeighting = LossWeighting(),
-                             **kernel_options: bool) -> "tuple[torch.Tensor, torch.Tensor]":
+                             bias: Optional[torch.Tensor], weighting: LossWeighting,
+                             options: LossOptions) -> "tuple[torch.Tensor, torch.Tensor]":
     """impl="cce": the Triton kernels where they run (:func:`cce.config.kernels_take`) and
     take the dtype (16 and 32 bits), else the same loss with exact gradients in chunked PyTorch
-    operations, on the inputs' device (which are deterministic and recompute once, so
-    ``kernel_options`` do not apply)."""
+    operations, on the inputs' device (deterministic, recomputing once: the filter and kernel
+    options do not apply)."""
     if kernels_take(e):
         from cce.cce_function import cce_loss  # Triton is needed only where kernels run
 
-        return cce_loss(e, c, targets, bias, softcap, filter_eps, vocab_sorting,
-                        filter_correction, weighting, **kernel_options)
-    return chunked_torch_loss(e, c, targets, bias, softcap, filter_eps, vocab_sorting,
-                              filter_correction, weighting)
+        return cce_loss(e, c, targets, bias, weighting, options)
+    return chunked_torch_loss(e, c, targets, bias, weighting, options)
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
@@ -56,18 +52,11 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "torch_compile": baselines.torch_compile_loss,
     "chunked": baselines.chunked_loss,
 }
-REDUCTIONS = ("mean", "sum", "none")
+assert tuple(IMPLEMENTATIONS) == IMPLEMENTATION_NAMES
 # The kernels' dtypes are also those autocast casts (never float64).
 FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
 TARGET_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64,
                  torch.uint8, torch.uint16, torch.uint32, torch.uint64)
-_INTEGERS = (int, np.integer)  # numpy integer scalars too, as F.cross_entropy accepts
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-def default_filter_eps(dtype: torch.dtype) -> float:
-    """The paper's threshold: 2^-12 for bfloat16, i.e. the dtype's machine epsilon / 32."""
-    return torch.finfo(dtype).eps / 32
 
 
 def linear_cross_entropy(
@@ -78,6 +67,7 @@ def linear_cross_entropy(
     bias: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
     softcap: Optional[float] = None,
+    temperature: float = 1.0,
     reduction: Literal["mean", "sum", "none"] = "mean",
     shift: int = 0,
     filter_eps: Union[float, Literal["auto"], None] = "auto",
@@ -87,6 +77,7 @@ def linear_cross_entropy(
     impl: str = "cce",
     weight: Optional[torch.Tensor] = None,
     label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
     deterministic: Optional[bool] = None,
     keep_tiles: bool = False,
     vocab_parallel: Optional[VocabParallelOptions] = None,
@@ -95,7 +86,7 @@ def linear_cross_entropy(
 
     Same result as ``F.cross_entropy(e @ c.T + bias, targets, weight=..., ignore_index=...,
     reduction=..., label_smoothing=...)`` (with ``softcap * tanh(logits / softcap)`` first when
-    ``softcap`` is given), computed in float32: the loss and lse are float32 for 16- and 32-bit
+    ``softcap`` is given, then divided by ``temperature``), computed in float32: the loss and lse are float32 for 16- and 32-bit
     inputs. float64 inputs are computed in float64, and give a float64 loss and lse, as in
     F.cross_entropy.
 
@@ -115,6 +106,13 @@ def linear_cross_entropy(
         ignore_index: target value that contributes neither loss nor gradient (an int or a
             numpy integer).
         softcap: logit soft-capping value (Gemma 2), or None.
+        temperature: a positive number that divides the (capped) logits: a sampling
+            temperature (RL), or a logit scale (Cohere's ``logit_scale`` is ``1 / temperature``,
+            Granite's ``logits_scaling`` is ``temperature``). The kernels compute it as the
+            logits of ``e / temperature`` (and ``bias / temperature``, capped at
+            ``softcap / temperature``), which are the same: for 16-bit ``e`` the quotient is
+            rounded to e's dtype, as a model that scales its hidden states or logits in 16 bits
+            rounds them.
         reduction: "mean" over non-ignored tokens (with ``weight``: the sum divided by the
             summed weights of their targets), "sum", or "none" (shape of ``targets``, 0 at
             ignored positions).
@@ -132,7 +130,8 @@ def linear_cross_entropy(
             classifier rows share a direction). Not applied with ``softcap``, whose derivative
             the dropped entries' sum does not carry. False: the paper's filter.
         return_lse: also return the log-sum-exp of every row, shape of ``targets`` (of the
-            logits alone: ``weight`` and ``label_smoothing`` do not enter it).
+            logits alone, after ``temperature``: ``weight`` and ``label_smoothing`` do not enter
+            it).
         impl: "cce" (Triton kernels on CUDA tensors; on CPU tensors too when
             ``TRITON_INTERPRET=1`` runs them in Triton's interpreter, else "cce_torch"),
             "cce_torch" (chunked PyTorch operations on any device, exact gradients: the filter
@@ -151,6 +150,9 @@ def linear_cross_entropy(
             ``label_smoothing * weight[v] / V * (tanh^2 - mean_i)`` per unit of the token's
             upstream gradient (``tanh^2`` of the capped logit, ``mean_i`` its weighted mean over
             the row). ``filter_eps=None`` keeps it.
+        z_loss: adds ``z_loss * lse**2`` to each token's loss (PaLM's auxiliary loss, which keeps
+            the log-normalizer near 0), weighted by its target's class weight and reduced as the
+            cross-entropy; 0 at ignored tokens. Its gradient reaches every logit through the lse.
         deterministic: True makes the loss, lse and gradients bitwise identical across calls
             on one device (the forward merges its partial log-sum-exps in a fixed order instead
             of under a spin lock); None (default) follows
@@ -173,43 +175,51 @@ def linear_cross_entropy(
     Returns:
         The loss, or ``(loss, lse)`` when ``return_lse`` is True.
     """
+    options = LossOptions(
+        ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=shift,
+        filter_eps=filter_eps, vocab_sorting=vocab_sorting, filter_correction=filter_correction,
+        return_lse=return_lse, impl=impl, label_smoothing=label_smoothing,
+        deterministic=deterministic, keep_tiles=keep_tiles, vocab_parallel=vocab_parallel,
+        temperature=temperature, z_loss=z_loss)
+    return _loss(e, c, targets, bias, weight, options)
+
+
+def _loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+          bias: Optional[torch.Tensor], weight: Optional[torch.Tensor], options: LossOptions):
+    """:func:`linear_cross_entropy` with its options validated."""
     reject_dtensors(e=e, c=c, targets=targets, bias=bias)
-    check_options(vocab_parallel, impl)
-    _check_kernel_flags(deterministic, keep_tiles)
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    if vocab_parallel is not None:
-        _check_vocab_parallel_options(weight, label_smoothing, deterministic, keep_tiles)
-        vocab_size = check_shards(vocab_parallel, e, c)  # first: every rank raises alike
+    if options.vocab_parallel is not None:
+        _check_vocab_parallel_call(weight, options)
+        vocab_size = check_shards(options.vocab_parallel, e, c)  # first: every rank raises alike
     e, c, bias = _cast_as_linear_would(e, c, bias)
-    _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
-                     vocab_sorting, filter_correction, impl, weight, label_smoothing)
-    if vocab_parallel is None:
+    _check_arguments(e, c, targets, bias, weight, options.shift)
+    if options.vocab_parallel is None:
         vocab_size = c.shape[0]
         if vocab_size == 0:  # a shard may hold no rows, but the vocabulary holds some
             raise ValueError("c must have at least one row (vocabulary entry)")
-    eps = default_filter_eps(e.dtype) if filter_eps == "auto" else filter_eps
-    kernel_options = ({"deterministic": deterministic, "keep_tiles": keep_tiles}
-                      if impl == "cce" else {})
+    options = options.resolved(e.dtype)
+    e, bias, options = _tempered(e, bias, options)
     compute_dtype = torch.promote_types(e.dtype, torch.float32)
     weighting = LossWeighting(None if weight is None else weight.to(compute_dtype).contiguous(),
-                              float(label_smoothing))
+                              options.label_smoothing)
 
-    canonical_targets, out_of_range = _canonical_targets(targets, operator.index(ignore_index),
-                                                         shift, vocab_size)
+    ignore_index = operator.index(options.ignore_index)
+    canonical_targets, out_of_range = _canonical_targets(targets, ignore_index, options.shift,
+                                                         vocab_size)
     any_out_of_range = out_of_range.any()
     read_any_out_of_range = _start_host_read(any_out_of_range)
     flat_e = e.reshape(targets.numel(), e.shape[-1])  # not -1: D may be 0
-    if vocab_parallel is None:
-        token_loss, lse = IMPLEMENTATIONS[impl](
-            flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting,
-            filter_correction, weighting, **kernel_options
-        )
+    flat_targets = canonical_targets.reshape(-1)
+    if options.vocab_parallel is None:
+        token_loss, lse = IMPLEMENTATIONS[options.impl](flat_e, c, flat_targets, bias, weighting,
+                                                        options)
     else:
-        token_loss, lse = vocab_parallel_loss(
-            flat_e, c, canonical_targets.reshape(-1), bias, softcap, eps, vocab_sorting,
-            filter_correction, vocab_parallel, impl
-        )
+        token_loss, lse = vocab_parallel_loss(flat_e, c, flat_targets, bias, options)
+    if options.z_loss:
+        valid = flat_targets >= 0
+        token_weight = weighting.target_weight(flat_targets).to(lse.dtype)
+        z_term = options.z_loss * token_weight * lse.square()
+        token_loss = token_loss + torch.where(valid, z_term, 0.0)
     if read_any_out_of_range is None:
         # No host check possible (torch.compile, CUDA graph capture): poison the loss instead.
         token_loss = torch.where(any_out_of_range, float("nan"), token_loss)
@@ -217,61 +227,49 @@ def linear_cross_entropy(
         raise ValueError(f"targets must be in [0, {vocab_size}) or equal ignore_index="
                          f"{ignore_index}; found {_first_out_of_range(targets, out_of_range)}")
 
-    if reduction == "none":
+    if options.reduction == "none":
         loss = token_loss.reshape(targets.shape)
-    elif reduction == "sum":
+    elif options.reduction == "sum":
         loss = token_loss.sum()
     else:  # over the targets' summed weights; NaN when every token is ignored, as in PyTorch
         loss = token_loss.sum() / weighting.target_weight_sum(canonical_targets)
-    if return_lse:
+    if options.return_lse:
         return loss, lse.reshape(targets.shape)
     return loss
 
 
 class LinearCrossEntropy(nn.Module):
-    """Module form of :func:`linear_cross_entropy`; keyword arguments are fixed at construction."""
+    """Module form of :func:`linear_cross_entropy`: ``bias``, ``weight`` and the keyword
+    options (:class:`cce.options.LossOptions`, validated here) are fixed at construction."""
 
-    def __init__(
-        self,
-        *,
-        bias: Optional[torch.Tensor] = None,
-        ignore_index: int = -100,
-        softcap: Optional[float] = None,
-        reduction: Literal["mean", "sum", "none"] = "mean",
-        shift: int = 0,
-        filter_eps: Union[float, Literal["auto"], None] = "auto",
-        vocab_sorting: bool = True,
-        filter_correction: bool = True,
-        return_lse: bool = False,
-        impl: str = "cce",
-        weight: Optional[torch.Tensor] = None,
-        label_smoothing: float = 0.0,
-        deterministic: Optional[bool] = None,
-        keep_tiles: bool = False,
-        vocab_parallel: Optional[VocabParallelOptions] = None,
-    ) -> None:
+    def __init__(self, *, bias: Optional[torch.Tensor] = None,
+                 weight: Optional[torch.Tensor] = None, **options: Any) -> None:
         super().__init__()
-        _check_kernel_flags(deterministic, keep_tiles)
-        _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
-                       filter_correction, impl, label_smoothing)
+        self.options = LossOptions(**options)
         _check_weight(weight)
-        check_options(vocab_parallel, impl)
         self.bias = bias
         # A buffer, as in nn.CrossEntropyLoss: it follows the module's .to() and state_dict.
         self.register_buffer("weight", weight)
-        self.options = dict(ignore_index=ignore_index, softcap=softcap, reduction=reduction,
-                            shift=shift, filter_eps=filter_eps, vocab_sorting=vocab_sorting,
-                            filter_correction=filter_correction, return_lse=return_lse,
-                            impl=impl, label_smoothing=label_smoothing,
-                            deterministic=deterministic, keep_tiles=keep_tiles,
-                            vocab_parallel=vocab_parallel)
 
     def forward(self, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor):
-        return linear_cross_entropy(e, c, targets, bias=self.bias, weight=self.weight,
-                                    **self.options)
+        return _loss(e, c, targets, self.bias, self.weight, self.options)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
+        return ", ".join(f"{field.name}={getattr(self.options, field.name)!r}"
+                         for field in dataclasses.fields(self.options))
+
+
+def _tempered(e: torch.Tensor, bias: Optional[torch.Tensor], options: LossOptions,
+              ) -> "tuple[torch.Tensor, Optional[torch.Tensor], LossOptions]":
+    """The logits ``softcap(e @ c.T + bias) / T`` are those of ``e / T`` and ``bias / T``
+    capped at ``softcap / T``: every implementation computes them so, and autograd carries the
+    scale to the gradients of ``e`` and ``bias`` (one pass over e and dE, not over logits)."""
+    temperature = options.temperature
+    if temperature == 1.0:
+        return e, bias, options
+    softcap = None if options.softcap is None else options.softcap / temperature
+    return (e / temperature, None if bias is None else bias / temperature,
+            dataclasses.replace(options, softcap=softcap, temperature=1.0))
 
 
 def _first_out_of_range(targets: torch.Tensor, out_of_range: torch.Tensor) -> int:
@@ -279,24 +277,15 @@ def _first_out_of_range(targets: torch.Tensor, out_of_range: torch.Tensor) -> in
     return targets.cpu()[out_of_range.cpu()][0].item()
 
 
-def _check_vocab_parallel_options(weight, label_smoothing, deterministic: bool,
-                                  keep_tiles) -> None:
-    if weight is not None or label_smoothing:
+def _check_vocab_parallel_call(weight: Optional[torch.Tensor], options: LossOptions) -> None:
+    """What vocab_parallel does not support, known only at the call."""
+    if weight is not None:
         raise ValueError("vocab_parallel does not support weight or label_smoothing")
-    if keep_tiles:
-        raise ValueError("vocab_parallel does not support keep_tiles")
-    if deterministic:
+    if options.resolved_deterministic():
         # As torch does for an operation without a deterministic implementation.
         raise RuntimeError("vocab_parallel has no deterministic implementation (the shards' "
                            "log-sum-exps are merged under a spin lock): pass deterministic=False "
                            "or turn torch.use_deterministic_algorithms off")
-
-
-def _check_kernel_flags(deterministic, keep_tiles) -> None:
-    if deterministic is not None and not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic must be None or a bool, got {deterministic!r}")
-    if not isinstance(keep_tiles, bool):
-        raise ValueError(f"keep_tiles must be a bool, got {keep_tiles!r}")
 
 
 def _canonical_targets(targets: torch.Tensor, ignore_index: int, shift: int,
@@ -367,8 +356,8 @@ def _holds_no_data(tensor: torch.Tensor) -> bool:
             or torch._C._functorch.is_functorch_wrapped_tensor(tensor))
 
 
-def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shift, filter_eps,
-                     vocab_sorting, filter_correction, impl, weight, label_smoothing) -> None:
+def _check_arguments(e, c, targets, bias, weight, shift: int) -> None:
+    """The tensors, against each other (the options are checked by LossOptions)."""
     if isinstance(c, nn.Module):
         raise ValueError(f"c must be a tensor, got the module {type(c).__name__}: pass its "
                          "weight, c=module.weight (and bias=module.bias if it has one)")
@@ -401,8 +390,6 @@ def _check_arguments(e, c, targets, bias, ignore_index, softcap, reduction, shif
         if bias.dtype != e.dtype or bias.device != e.device:
             raise ValueError("bias must have the dtype and device of e")
     _check_weight(weight, c.shape[0], e.device)
-    _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
-                   filter_correction, impl, label_smoothing)
     if shift and e.dim() < 2:
         raise ValueError("shift needs e with a sequence dimension, shape (..., T, D)")
 
@@ -425,32 +412,3 @@ def _check_weight(weight, vocab_size: Optional[int] = None,
     if weight.requires_grad:
         raise ValueError("weight must not require grad: the loss is not differentiable with "
                          "respect to the class weights (nor is F.cross_entropy)")
-
-
-def _check_options(ignore_index, softcap, reduction, shift, filter_eps, vocab_sorting,
-                   filter_correction, impl, label_smoothing) -> None:
-    if (isinstance(ignore_index, bool) or not isinstance(ignore_index, _INTEGERS)
-            or not _INT64_MIN <= ignore_index <= _INT64_MAX):
-        raise ValueError(f"ignore_index must be an int (int64), got {ignore_index!r}")
-    if softcap is not None and not (_is_number(softcap) and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if isinstance(shift, bool) or not isinstance(shift, int) or shift < 0:
-        raise ValueError(f"shift must be an int >= 0, got {shift!r}")
-    # A softmax entry is at most 1: a threshold of 1 or more would filter every tile.
-    if filter_eps not in ("auto", None) and not (_is_number(filter_eps) and 0 < filter_eps < 1):
-        raise ValueError(f"filter_eps must be 'auto', None or a float in (0, 1), got "
-                         f"{filter_eps!r}")
-    if not isinstance(vocab_sorting, bool):
-        raise ValueError(f"vocab_sorting must be a bool, got {vocab_sorting!r}")
-    if not isinstance(filter_correction, bool):
-        raise ValueError(f"filter_correction must be a bool, got {filter_correction!r}")
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"impl must be one of {tuple(IMPLEMENTATIONS)}, got {impl!r}")
-    if not (_is_number(label_smoothing) and 0 <= label_smoothing <= 1):  # False for NaN
-        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
 from cce.config import check_interpreter_usable, kernels_take
 from cce.weighting import (GradientScales, lse_and_cross_entropy, target_complement,
                            target_entry)
+
+if TYPE_CHECKING:
+    from cce.options import LossOptions
 
 # The kernels' modules (which import Triton) are imported where the kernels run: the options,
 # the checks and impl="torch" need no Triton.
@@ -142,13 +145,12 @@ def check_shards(vocab_parallel: VocabParallelOptions, e: torch.Tensor, c: torch
 
 
 def vocab_parallel_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                        bias: Optional[torch.Tensor], softcap: Optional[float],
-                        filter_eps: Optional[float], vocab_sorting: bool,
-                        filter_correction: bool, vocab_parallel: VocabParallelOptions,
-                        impl: str) -> "tuple[torch.Tensor, torch.Tensor]":
+                        bias: Optional[torch.Tensor], options: "LossOptions",
+                        ) -> "tuple[torch.Tensor, torch.Tensor]":
     """Per-token loss and log-sum-exp of the whole vocabulary, float32 (N,), the same on every
     rank; the canonical signature of :mod:`cce.loss` (``targets``: global ids, -1 = ignored),
-    with ``c`` and ``bias`` this rank's shard."""
+    with ``c`` and ``bias`` this rank's shard (``options.vocab_parallel``; options resolved)."""
+    vocab_parallel = options.vocab_parallel
     group = vocab_parallel.group
     in_shard = (targets >= vocab_parallel.start) & (targets < vocab_parallel.stop)
     local_targets = torch.where(in_shard, targets - vocab_parallel.start, -1)
@@ -157,15 +159,14 @@ def vocab_parallel_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     # Where the kernels do not run (CPU tensors without Triton's interpreter; float64, as the
     # kernels are 16/32-bit), impl "cce" takes the materialized shard's path, as one GPU's
     # takes the chunked PyTorch path.
-    if impl == "torch" or not kernels_take(e):
-        return _materialized_loss(e, c, targets, local_targets, bias, softcap, group)
+    if options.impl == "torch" or not kernels_take(e):
+        return _materialized_loss(e, c, targets, local_targets, bias, options.softcap, group)
     check_interpreter_usable()
     if bias is not None:
         bias = bias.contiguous()  # the kernels index it with unit stride
     needs_grad = needs_gradient(e, c, bias)
     return VocabParallelFunction.apply(e, c, bias, targets.contiguous(),
-                                       local_targets.contiguous(), group, softcap, filter_eps,
-                                       vocab_sorting, filter_correction, needs_grad)
+                                       local_targets.contiguous(), options, needs_grad)
 
 
 class VocabParallelFunction(torch.autograd.Function):
@@ -175,21 +176,21 @@ class VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
-                targets: torch.Tensor, local_targets: torch.Tensor,
-                group: Optional[dist.ProcessGroup], softcap: Optional[float],
-                filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
+                targets: torch.Tensor, local_targets: torch.Tensor, options: "LossOptions",
                 needs_grad: bool):
         from cce.cce_function import uses_mass_correction
         from cce.indexed_dot import indexed_dot
         from cce.lse_forward import lse_forward
         from cce.vocab_order import sort_vocabulary, target_positions
 
+        group, softcap, filter_eps = (options.vocab_parallel.group, options.softcap,
+                                      options.filter_eps)
         holds_rows = c.shape[0] > 0  # a rank may hold none: it adds nothing to the sums
         records_bounds = needs_grad and filter_eps is not None and holds_rows
         # The order and the bounds are over the rows with a loss, wherever their target is:
         # sort_vocabulary and lse_forward only read which targets are ignored (-1).
         order = row_sum = None
-        if records_bounds and vocab_sorting:
+        if records_bounds and options.vocab_sorting:
             order, row_sum = sort_vocabulary(e, c, bias, targets)
         positions = target_positions(local_targets, order)
         if holds_rows:
@@ -206,7 +207,7 @@ class VocabParallelFunction(torch.autograd.Function):
         other_lse = _global_lse(local_other_lse, group)
         lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
         loss = torch.where(targets >= 0, cross_entropy, 0.0)
-        mass_correction = uses_mass_correction(filter_correction, filter_eps, softcap)
+        mass_correction = uses_mass_correction(options.filter_correction, filter_eps, softcap)
         # The mass that the shard's tiles add up, which the mass correction starts from.
         counted_mass = (torch.exp(local_other_lse - lse) if mass_correction and needs_grad
                         else None)
@@ -258,7 +259,7 @@ class VocabParallelFunction(torch.autograd.Function):
             dist.all_reduce(grad_e, op=dist.ReduceOp.SUM, group=ctx.group)
             grad_e = grad_e.to(e.dtype)
         return differentiable_once([grad_e, grad_c, grad_bias],
-                                   (e, c, bias, grad_loss, grad_lse)) + (None,) * 8
+                                   (e, c, bias, grad_loss, grad_lse)) + (None,) * 4
 
 
 def _materialized_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,

@@ -143,7 +143,8 @@ def run_reference(inputs: Inputs, grad_output: torch.Tensor,
                   grad_lse: Optional[torch.Tensor] = None, **options) -> Result:
     """The float64 reference on the same inputs; options not in its semantics are dropped."""
     options = {**inputs.options, **options}
-    keep = ("ignore_index", "softcap", "reduction", "shift", "weight", "label_smoothing")
+    keep = ("ignore_index", "softcap", "reduction", "shift", "weight", "label_smoothing",
+            "temperature", "z_loss")
     return reference(inputs.e, inputs.c, inputs.targets, bias=inputs.bias,
                      grad_output=grad_output, grad_lse=grad_lse,
                      **{k: v for k, v in options.items() if k in keep})

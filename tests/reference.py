@@ -41,6 +41,8 @@ def reference(
     grad_lse: Optional[torch.Tensor] = None,
     weight: Optional[torch.Tensor] = None,
     label_smoothing: float = 0.0,
+    temperature: float = 1.0,
+    z_loss: float = 0.0,
 ) -> Result:
     """float64 loss, lse and gradients, with the semantics of ``cce.linear_cross_entropy``.
 
@@ -60,6 +62,7 @@ def reference(
         logits = logits + b64
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
 
     targets = targets.long()
@@ -73,6 +76,19 @@ def reference(
                            weight=None if weight is None else weight.double(),
                            ignore_index=ignore_index, reduction=reduction,
                            label_smoothing=label_smoothing)
+    if z_loss:
+        scored_lse = torch.logsumexp(scored_logits, dim=-1).reshape(-1)
+        flat_targets = scored_targets.reshape(-1)
+        valid = flat_targets != ignore_index
+        token_weight = (valid.double() if weight is None
+                        else torch.where(valid, weight.double()[flat_targets.clamp(min=0)], 0.0))
+        z_term = z_loss * token_weight * scored_lse.square()
+        if reduction == "none":
+            loss = loss + z_term
+        elif reduction == "sum":
+            loss = loss + z_term.sum()
+        else:
+            loss = loss + z_term.sum() / token_weight.sum()
     if reduction == "none":
         loss = loss.reshape(scored_targets.shape)
         if shift:

@@ -8,6 +8,8 @@ shift longer than the sequence, no tokens at all) gives PyTorch's results for an
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import re
 from typing import Callable
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 import cce
+from cce.options import LossOptions
 from tests.reference import reference, relative_error
 
 V, D = 10, 16
@@ -220,6 +223,22 @@ def test_module_checks_options_when_constructed(option: str, value) -> None:
     """LinearCrossEntropy rejects a bad option at construction, naming it."""
     with pytest.raises(ValueError, match=names(option)):
         cce.LinearCrossEntropy(**{option: value})
+
+
+def test_the_function_and_the_module_take_the_options_that_loss_options_lists() -> None:
+    """One list of options (cce.options.LossOptions): the function's keywords besides the
+    tensors bias and weight are its fields, with the same defaults, and the module takes the
+    same names; an unknown one is a TypeError, as for any Python function."""
+    keywords = {name: parameter.default for name, parameter
+                in inspect.signature(cce.linear_cross_entropy).parameters.items()
+                if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+                and name not in ("bias", "weight")}
+    fields = {field.name: field.default for field in dataclasses.fields(LossOptions)}
+    assert keywords == fields
+    module = cce.LinearCrossEntropy(**{name: default for name, default in fields.items()})
+    assert module.options == LossOptions()
+    with pytest.raises(TypeError, match="temperatur"):
+        cce.LinearCrossEntropy(temperatur=2.0)
 
 
 # --- Degenerate but valid inputs -------------------------------------------------------------

@@ -58,6 +58,9 @@ CASES = (
     Case(torch.bfloat16, bias=True),
     Case(torch.bfloat16, lse_gradient=True, options=dict(reduction="sum", softcap=20.0)),
     Case(torch.bfloat16, options=dict(vocab_sorting=False, filter_correction=False)),
+    Case(torch.float32, bias=True, lse_gradient=True,
+         options=dict(filter_eps=None, softcap=20.0, temperature=0.7, z_loss=1e-2)),
+    Case(torch.bfloat16, options=dict(temperature=0.5, z_loss=1e-3)),  # e / 0.5 is exact
     Case(torch.float16, options=dict(reduction="none")),
     # Materialized shard logits, autograd for the backward.
     Case(torch.float32, impl="torch", bias=True, lse_gradient=True,

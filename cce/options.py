@@ -1,0 +1,121 @@
+"""The options of a loss call, listed, defaulted and validated in one place.
+
+:func:`cce.linear_cross_entropy` and :class:`cce.LinearCrossEntropy` build one frozen
+:class:`LossOptions` from their keywords (the tensors ``bias`` and ``weight`` travel apart);
+its construction raises ``ValueError`` naming a bad option. :meth:`LossOptions.resolved` then
+fixes what depends on the inputs and the global state (``filter_eps="auto"``,
+``deterministic=None``), once per call, and every implementation reads the resolved options.
+They become separate scalars only at the custom-op boundary (:mod:`cce.cce_function`), whose
+schema takes no Python objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+import numpy as np
+import torch
+
+from cce.vocab_parallel import VocabParallelOptions, check_options as check_vocab_parallel
+
+IMPLEMENTATION_NAMES = ("cce", "cce_torch", "torch", "torch_compile", "chunked")
+REDUCTIONS = ("mean", "sum", "none")
+_INTEGERS = (int, np.integer)  # numpy integer scalars too, as F.cross_entropy accepts
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """Every keyword option of :func:`cce.linear_cross_entropy` but the tensors ``bias`` and
+    ``weight``, with the same names, defaults and meanings (documented there)."""
+
+    ignore_index: int = -100
+    softcap: Optional[float] = None
+    temperature: float = 1.0
+    reduction: Literal["mean", "sum", "none"] = "mean"
+    shift: int = 0
+    filter_eps: Union[float, Literal["auto"], None] = "auto"
+    vocab_sorting: bool = True
+    filter_correction: bool = True
+    return_lse: bool = False
+    impl: str = "cce"
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    deterministic: Optional[bool] = None
+    keep_tiles: bool = False
+    vocab_parallel: Optional[VocabParallelOptions] = None
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    def resolved(self, dtype: torch.dtype) -> "LossOptions":
+        """The options of a call on inputs of ``dtype``: ``filter_eps`` a number or None (the
+        paper's threshold for "auto"), ``deterministic`` a bool (None follows
+        ``torch.are_deterministic_algorithms_enabled()``)."""
+        filter_eps = default_filter_eps(dtype) if self.filter_eps == "auto" else self.filter_eps
+        return dataclasses.replace(self, filter_eps=filter_eps,
+                                   deterministic=self.resolved_deterministic(),
+                                   label_smoothing=float(self.label_smoothing),
+                                   temperature=float(self.temperature),
+                                   z_loss=float(self.z_loss))
+
+    def resolved_deterministic(self) -> bool:
+        """``deterministic``, with None following ``torch.are_deterministic_algorithms_enabled()``."""
+        if self.deterministic is None:
+            return torch.are_deterministic_algorithms_enabled()
+        return self.deterministic
+
+
+def default_filter_eps(dtype: torch.dtype) -> float:
+    """The paper's threshold: 2^-12 for bfloat16, i.e. the dtype's machine epsilon / 32."""
+    return torch.finfo(dtype).eps / 32
+
+
+def _check(options: LossOptions) -> None:
+    ignore_index = options.ignore_index
+    if (isinstance(ignore_index, bool) or not isinstance(ignore_index, _INTEGERS)
+            or not _INT64_MIN <= ignore_index <= _INT64_MAX):
+        raise ValueError(f"ignore_index must be an int (int64), got {ignore_index!r}")
+    softcap = options.softcap
+    if softcap is not None and not (_is_number(softcap) and math.isfinite(softcap)
+                                    and softcap > 0):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+    temperature = options.temperature
+    if not (_is_number(temperature) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    z_loss = options.z_loss
+    if not (_is_number(z_loss) and math.isfinite(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
+    if options.reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {options.reduction!r}")
+    shift = options.shift
+    if isinstance(shift, bool) or not isinstance(shift, int) or shift < 0:
+        raise ValueError(f"shift must be an int >= 0, got {shift!r}")
+    # A softmax entry is at most 1: a threshold of 1 or more would filter every tile.
+    filter_eps = options.filter_eps
+    if filter_eps not in ("auto", None) and not (_is_number(filter_eps) and 0 < filter_eps < 1):
+        raise ValueError(f"filter_eps must be 'auto', None or a float in (0, 1), got "
+                         f"{filter_eps!r}")
+    for name in ("vocab_sorting", "filter_correction", "return_lse", "keep_tiles"):
+        if not isinstance(getattr(options, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(options, name)!r}")
+    if options.deterministic is not None and not isinstance(options.deterministic, bool):
+        raise ValueError(f"deterministic must be None or a bool, got {options.deterministic!r}")
+    if options.impl not in IMPLEMENTATION_NAMES:
+        raise ValueError(f"impl must be one of {IMPLEMENTATION_NAMES}, got {options.impl!r}")
+    label_smoothing = options.label_smoothing
+    if not (_is_number(label_smoothing) and 0 <= label_smoothing <= 1):  # False for NaN
+        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    check_vocab_parallel(options.vocab_parallel, options.impl)
+    if options.vocab_parallel is not None:
+        if label_smoothing:
+            raise ValueError("vocab_parallel does not support weight or label_smoothing")
+        if options.keep_tiles:
+            raise ValueError("vocab_parallel does not support keep_tiles")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
