@@ -60,33 +60,46 @@ from cce.sparse_tile_matmul import (MassCorrection, RankOneUpdate, embeddings_bl
 from cce.weighting import RankOneTerm
 
 
-def linear_cross_entropy_backward(
-    e: torch.Tensor, c: torch.Tensor, target_positions: torch.Tensor,
-    bias: Optional[torch.Tensor], softcap: Optional[float], lse: torch.Tensor,
-    prob_scale: torch.Tensor,
-    target_entry: torch.Tensor, vocab_order: Optional[torch.Tensor],
-    live_tiles: Optional[torch.Tensor], filter_eps: Optional[float], needs_grad_e: bool,
-    needs_grad_c: bool, mass_correction: bool = False,
-    rank_one: Optional[RankOneTerm] = None, keep_tiles: bool = False,
-    counted_mass: Optional[torch.Tensor] = None,
-    grad_e_dtype: Optional[torch.dtype] = None,
-    classifier_row_sum: Optional[torch.Tensor] = None,
-) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
-    """(dE, dC, dbias), each None when not needed. ``target_positions``: see
-    :func:`cce.vocab_order.target_positions`; ``prob_scale`` and ``target_entry``: each row's
-    factor of its softmax and its gradient at its target (:mod:`cce.weighting`);
+class CorrectionInputs(NamedTuple):
+    """What ``filter_correction`` reads besides the recompute's inputs
+    (:class:`cce.sparse_tile_matmul.MassCorrection`): ``counted_mass``, float32 (N,), each row's
+    softmax mass in the entries the tiles add up, those of ``c`` off its target (None: all of
+    them); ``classifier_row_sum``, float32 (D,) ``c.sum(0)`` where the forward has it (None:
+    the backward reads ``c`` for it)."""
+
+    counted_mass: Optional[torch.Tensor] = None
+    classifier_row_sum: Optional[torch.Tensor] = None
+
+
+class BackwardRequest(NamedTuple):
+    """What a backward computes, besides the recomputed tiles' inputs.
+
     ``live_tiles``: the live-grid table of tiles that may hold a significant entry (None: every
-    tile may); ``mass_correction``: dE gets back what the filter dropped, estimated along the
-    mean classifier row (:mod:`cce.sparse_tile_matmul`; needs ``filter_eps`` and no softcap);
-    ``rank_one``: the rank-one term of the logits' gradient (label smoothing,
-    :mod:`cce.weighting`), or None; ``keep_tiles``: when both gradients are needed and the host
-    may wait, run the one-pass backward with its tiles in a buffer of their own even where they
-    do not fit in dC. When ``c`` is one shard of the vocabulary (:mod:`cce.vocab_parallel`),
-    ``lse`` is the whole vocabulary's. ``counted_mass`` (float32 (N,)), which the correction
-    needs: each row's softmax mass in the entries the tiles add up, those of ``c`` off its
-    target (None: all of them). ``grad_e_dtype``: dE's dtype (default e's; float32 for a dE
-    that is summed over shards). ``classifier_row_sum``: float32 (D,) ``c.sum(0)`` where the
-    forward has it, for the mass correction (None: the backward reads ``c`` for it)."""
+    tile may); ``needs_grad_e``, ``needs_grad_c``: the gradients wanted (dbias comes with dC);
+    ``correction``: dE gets back what the filter dropped, estimated along the mean classifier
+    row (``filter_correction``; needs ``filter_eps`` and no softcap), or None;
+    ``keep_tiles``: when both gradients are needed and the host may wait, run the one-pass
+    backward with its tiles in a buffer of their own even where they do not fit in dC;
+    ``grad_e_dtype``: dE's dtype (None: e's; float32 for a dE summed over shards)."""
+
+    live_tiles: Optional[torch.Tensor]
+    needs_grad_e: bool
+    needs_grad_c: bool
+    correction: Optional[CorrectionInputs] = None
+    keep_tiles: bool = False
+    grad_e_dtype: Optional[torch.dtype] = None
+
+
+def linear_cross_entropy_backward(
+    recompute: RecomputeInputs, request: BackwardRequest,
+) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]":
+    """(dE, dC, dbias), each None when not needed, of the tiles ``recompute`` describes
+    (:class:`cce.gradient_tiles.RecomputeInputs`). When ``c`` is one shard of the vocabulary
+    (:mod:`cce.vocab_parallel`), ``recompute.lse`` is the whole vocabulary's."""
+    e, c, bias, vocab_order, rank_one = (recompute.e, recompute.c, recompute.bias,
+                                         recompute.vocab_order, recompute.rank_one)
+    prob_scale = recompute.prob_scale
+    live_tiles, needs_grad_e, needs_grad_c, correction_inputs, keep_tiles, grad_e_dtype = request
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     grid = kernel_configs(e.dtype).live_grid
@@ -95,8 +108,6 @@ def linear_cross_entropy_backward(
     grad_c = (torch.empty((vocab_size, dim), dtype=c.dtype, device=c.device)
               if needs_grad_c else None)
     grad_bias = torch.empty_like(bias) if needs_grad_c and bias is not None else None
-    recompute = RecomputeInputs(e, c, target_positions, bias, softcap, lse, prob_scale,
-                                target_entry, vocab_order, filter_eps, rank_one)
 
     correction = None
     if (needs_grad_e and needs_grad_c and host_may_sync(e.device)
@@ -104,8 +115,8 @@ def linear_cross_entropy_backward(
         table = _live_table(live_tiles, num_token_blocks, num_vocab_blocks, e.device)
         live_listed = _list_tiles(table)
         # Queued behind the copy of the list lengths: the GPU runs it while the host plans.
-        correction = (MassCorrection.of(c, prob_scale, counted_mass, classifier_row_sum)
-                      if mass_correction else None)
+        correction = (MassCorrection.of(c, prob_scale, *correction_inputs)
+                      if correction_inputs is not None else None)
         one_pass = _one_pass_plan(live_listed, table, grad_c, vocab_order, keep_tiles)
         if one_pass is not None:
             grad_e = torch.empty((num_tokens, dim), dtype=grad_e_dtype or e.dtype,
@@ -134,8 +145,8 @@ def linear_cross_entropy_backward(
             slots = _slot_map(live_rows)
         # With slots, queued behind the copy of the row counts: the GPU runs it while the host
         # plans.
-        if mass_correction and correction is None:
-            correction = MassCorrection.of(c, prob_scale, counted_mass, classifier_row_sum)
+        if correction_inputs is not None and correction is None:
+            correction = MassCorrection.of(c, prob_scale, *correction_inputs)
         if slots is not None:
             tiles_per_row = read_tiles_per_row()
             chunks = _slot_chunks(tiles_per_row, scratch.segments // grid.block_tokens)

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 import torch
 import triton
 
-from cce.backward import linear_cross_entropy_backward
+from cce.backward import BackwardRequest, CorrectionInputs, linear_cross_entropy_backward
 from cce.config import check_interpreter_usable, kernel_configs
+from cce.gradient_tiles import RecomputeInputs
 from cce.indexed_dot import indexed_dot
 from cce.lse_forward import lse_forward
 from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
@@ -215,13 +216,13 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     if tile_bound.numel():
         live = recompute_table(tile_bound, lse, scales.softmax, positions, e.dtype, filter_eps)
     # The tiles add up the softmax mass off the targets, 1 - p_y (cce.sparse_tile_matmul).
-    grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
-        e, c, positions, bias, softcap, lse, scales.softmax,
-        target_entry(scales, target_complement), order, live, filter_eps,
-        needs_grad_e=needs_grad_e, needs_grad_c=needs_grad_c,
-        mass_correction=uses_mass_correction(filter_correction, filter_eps, softcap),
-        rank_one=rank_one, keep_tiles=keep_tiles, counted_mass=target_complement,
-        classifier_row_sum=classifier_row_sum)
+    recompute = RecomputeInputs(e, c, positions, bias, softcap, lse, scales.softmax,
+                                target_entry(scales, target_complement), order, filter_eps,
+                                rank_one)
+    correction = (CorrectionInputs(target_complement, classifier_row_sum)
+                  if uses_mass_correction(filter_correction, filter_eps, softcap) else None)
+    grad_e, grad_c, grad_bias = linear_cross_entropy_backward(recompute, BackwardRequest(
+        live, needs_grad_e, needs_grad_c, correction, keep_tiles))
     return (_or_empty(grad_e, e.dtype, e.device), _or_empty(grad_c, c.dtype, c.device),
             _or_empty(grad_bias, c.dtype, c.device))
 

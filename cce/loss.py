@@ -86,9 +86,9 @@ def linear_cross_entropy(
 
     Same result as ``F.cross_entropy(e @ c.T + bias, targets, weight=..., ignore_index=...,
     reduction=..., label_smoothing=...)`` (with ``softcap * tanh(logits / softcap)`` first when
-    ``softcap`` is given, then divided by ``temperature``), computed in float32: the loss and lse are float32 for 16- and 32-bit
-    inputs. float64 inputs are computed in float64, and give a float64 loss and lse, as in
-    F.cross_entropy.
+    ``softcap`` is given, then divided by ``temperature``), computed in float32: the loss and
+    lse are float32 for 16- and 32-bit inputs. float64 inputs are computed in float64, and give
+    a float64 loss and lse, as in F.cross_entropy.
 
     Args:
         e: embeddings, shape (..., D), float32/float16/bfloat16, or float64 (which impl "cce"

@@ -63,7 +63,7 @@ class LossOptions:
                                    z_loss=float(self.z_loss))
 
     def resolved_deterministic(self) -> bool:
-        """``deterministic``, with None following ``torch.are_deterministic_algorithms_enabled()``."""
+        """``deterministic``; None follows ``torch.are_deterministic_algorithms_enabled()``."""
         if self.deterministic is None:
             return torch.are_deterministic_algorithms_enabled()
         return self.deterministic

@@ -222,7 +222,9 @@ class VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
-        from cce.backward import linear_cross_entropy_backward
+        from cce.backward import (BackwardRequest, CorrectionInputs,
+                                  linear_cross_entropy_backward)
+        from cce.gradient_tiles import RecomputeInputs
         from cce.cce_function import recompute_table
 
         (e, c, bias, targets, positions, lse, complement, order, tile_bound, counted_mass,
@@ -249,12 +251,13 @@ class VocabParallelFunction(torch.autograd.Function):
                 live = recompute_table(tile_bound, lse, covered, positions, e.dtype,
                                        ctx.filter_eps)
             entry = target_entry(GradientScales(prob_scale, target_scale, None), complement)
-            grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
-                e, c, positions, bias, ctx.softcap, lse, prob_scale, entry, order, live,
-                ctx.filter_eps, needs_grad_e=needs_grad_e, needs_grad_c=needs_grad_c,
-                mass_correction=ctx.mass_correction, counted_mass=counted_mass,
-                classifier_row_sum=row_sum,
-                grad_e_dtype=torch.float32 if needs_grad_e else None)
+            recompute = RecomputeInputs(e, c, positions, bias, ctx.softcap, lse, prob_scale,
+                                        entry, order, ctx.filter_eps, None)
+            correction = (CorrectionInputs(counted_mass, row_sum) if ctx.mass_correction
+                          else None)
+            grad_e, grad_c, grad_bias = linear_cross_entropy_backward(recompute, BackwardRequest(
+                live, needs_grad_e, needs_grad_c, correction,
+                grad_e_dtype=torch.float32 if needs_grad_e else None))
         if grad_e is not None:
             dist.all_reduce(grad_e, op=dist.ReduceOp.SUM, group=ctx.group)
             grad_e = grad_e.to(e.dtype)
