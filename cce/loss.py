@@ -25,7 +25,7 @@ from cce.config import KERNEL_DTYPES, kernels_take
 from cce.host_copy import start_host_copy
 from cce.options import IMPLEMENTATION_NAMES, LossOptions, default_filter_eps
 from cce.weighting import LossWeighting
-from cce.vocab_parallel import (VocabParallelOptions, check_shards, reject_dtensors,
+from cce.vocab_parallel import (VocabParallelOptions, check_shards, local_tensors,
                                 vocab_parallel_loss)
 
 Implementation = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
@@ -170,7 +170,10 @@ def linear_cross_entropy(
             whole vocabulary and the full gradient of ``e``; ``c`` and ``bias`` get their
             shard's. Collective: every rank of the group must call it. impl "cce" or "torch"
             (float64, or CPU tensors without the interpreter: "torch" for both); not with
-            ``weight``, ``label_smoothing``, ``keep_tiles`` or ``deterministic``.
+            ``weight``, ``label_smoothing``, ``keep_tiles`` or ``deterministic``. A ``c`` that is
+            a DTensor sharded by rows (``Shard(0)``) on a 1-D mesh, with ``e`` a DTensor of the
+            same mesh (tensor parallelism), is this call with the shard its placement gives:
+            no options needed; ``c.grad`` is then a DTensor placed as ``c``.
 
     Returns:
         The loss, or ``(loss, lse)`` when ``return_lse`` is True.
@@ -187,7 +190,10 @@ def linear_cross_entropy(
 def _loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
           bias: Optional[torch.Tensor], weight: Optional[torch.Tensor], options: LossOptions):
     """:func:`linear_cross_entropy` with its options validated."""
-    reject_dtensors(e=e, c=c, targets=targets, bias=bias)
+    e, c, targets, bias, vocab_parallel = local_tensors(e, c, targets, bias,
+                                                        options.vocab_parallel)
+    if vocab_parallel is not options.vocab_parallel:  # a DTensor classifier's shard
+        options = dataclasses.replace(options, vocab_parallel=vocab_parallel)
     if options.vocab_parallel is not None:
         _check_vocab_parallel_call(weight, options)
         vocab_size = check_shards(options.vocab_parallel, e, c)  # first: every rank raises alike

@@ -89,17 +89,71 @@ def check_options(vocab_parallel: Optional[VocabParallelOptions], impl: str) -> 
                          "(torch.distributed.init_process_group)")
 
 
-def reject_dtensors(**tensors: Optional[torch.Tensor]) -> None:
-    """Raise on a DTensor argument: the loss takes local tensors (a shard: ``vocab_parallel``)."""
+def local_tensors(e, c, targets, bias, vocab_parallel: Optional[VocabParallelOptions]):
+    """The loss's arguments as local tensors, and this rank's shard. A classifier that is a
+    DTensor on a 1-D mesh, sharded by vocabulary rows (``Shard(0)``, as tensor parallelism puts
+    an output layer's weight) with ``e`` a DTensor on the same mesh, is a vocabulary-parallel
+    call: ``e`` (and ``targets``) are made replicated, ``c`` (and ``bias``) their local rows,
+    whose range and the mesh's group become the ``VocabParallelOptions``; gradients return to
+    the DTensors through ``to_local``. A replicated classifier is the plain call. Any other
+    DTensor raises: a classifier sharded with a plain ``e`` is FSDP's shard of the weight,
+    whose ranks hold different tokens."""
     # No DTensor can exist unless its module was imported: importing it here would cost time.
     module = sys.modules.get("torch.distributed.tensor")
     if module is None:
-        return
+        return e, c, targets, bias, vocab_parallel
+    dtensor = module.DTensor
+    if not isinstance(c, dtensor) or not isinstance(e, dtensor) or e.device_mesh != c.device_mesh:
+        _reject_dtensors(e=e, c=c, targets=targets, bias=bias)
+        return e, c, targets, bias, vocab_parallel
+    mesh = c.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(f"c is a DTensor on a {mesh.ndim}-D device mesh: cce takes a classifier "
+                         "sharded over a 1-D mesh (the tensor-parallel one)")
+    if vocab_parallel is not None:
+        raise ValueError("vocab_parallel must be None when c is a DTensor: its placement gives "
+                         "the shard")
+    placement = c.placements[0]
+    if not (placement.is_replicate() or (placement.is_shard() and placement.dim == 0)):
+        raise ValueError(f"c is a DTensor placed as {placement!r}: cce takes Shard(0) (rows of "
+                         "the vocabulary) or Replicate()")
+    replicated = [module.Replicate()]
+
+    def local(tensor):
+        if isinstance(tensor, dtensor):
+            if tensor.device_mesh != mesh:
+                raise ValueError("e, c, targets and bias must be DTensors of one device mesh")
+            if tensor is c or tensor is bias:
+                if tuple(tensor.placements) != tuple(c.placements):
+                    raise ValueError(f"bias is placed as {tensor.placements[0]!r} but c as "
+                                     f"{placement!r}: they must match")
+                return tensor.to_local()
+            return tensor.redistribute(mesh, replicated).to_local()
+        return tensor
+
+    e_local, c_local, targets_local, bias_local = (local(x) for x in (e, c, targets, bias))
+    if placement.is_replicate():
+        return e_local, c_local, targets_local, bias_local, None
+    if bias is not None and not isinstance(bias, dtensor):
+        raise ValueError("bias must be a DTensor placed as c (Shard(0)) when c is one")
+    # Shard(0) splits as torch.chunk does: ceil(V / ranks) rows each, the last ones fewer or
+    # none (check_shards verifies the ranges on every rank).
+    vocab_size, ranks = c.shape[0], mesh.size()
+    start = min(mesh.get_local_rank() * -(-vocab_size // ranks), vocab_size)
+    shard = VocabParallelOptions(start, start + c_local.shape[0], mesh.get_group())
+    return e_local, c_local, targets_local, bias_local, shard
+
+
+def _reject_dtensors(**tensors: Optional[torch.Tensor]) -> None:
+    """Raise on a DTensor argument that :func:`local_tensors` does not take."""
+    dtensor = sys.modules["torch.distributed.tensor"].DTensor
     for name, tensor in tensors.items():
-        if isinstance(tensor, module.DTensor):
+        if isinstance(tensor, dtensor):
             raise ValueError(
-                f"{name} is a DTensor: pass local tensors. For a classifier sharded over the "
-                f"vocabulary, pass {name}.to_local() with vocab_parallel=cce.VocabParallelOptions"
+                f"{name} is a DTensor that cce cannot read as a vocabulary shard: pass local "
+                f"tensors, or, for tensor parallelism, c sharded as Shard(0) with e a DTensor "
+                f"of the same 1-D mesh. For a classifier sharded over the vocabulary, you may "
+                f"also pass {name}.to_local() with vocab_parallel=cce.VocabParallelOptions"
                 f"(start, stop, group); for a replicated one, {name}.full_tensor(). Under FSDP2, "
                 f"compute the loss inside the module's forward, where the weight is gathered "
                 f"(as cce.integrations.transformers.patch does)")

@@ -286,3 +286,53 @@ def test_options_are_checked_before_any_collective() -> None:
         cce.LinearCrossEntropy(impl="chunked", vocab_parallel=cce.VocabParallelOptions(0, 10))
     with pytest.raises(ValueError, match="needs torch.distributed to be initialized"):
         cce.linear_cross_entropy(e, c, targets, vocab_parallel=cce.VocabParallelOptions(0, 10))
+
+
+def dtensor_worker(rank: int, world_size: int) -> None:
+    """A classifier that is a DTensor sharded by rows, as tensor parallelism places an output
+    layer's weight, with e a DTensor of the same mesh: the loss, dE and the DTensor's dC (and
+    dbias) are the unsharded call's, with no VocabParallelOptions; V = 37 does not divide
+    between the ranks (torch.chunk's split). A replicated classifier is the plain call."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, vocab, dim = 23, 37, 16
+    e = torch.randn(num_tokens, dim, generator=gen)
+    c = torch.randn(vocab, dim, generator=gen) * 0.5
+    bias = torch.randn(vocab, generator=gen)
+    targets = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    targets[::5] = -100
+    mesh = init_device_mesh("cpu", (world_size,))
+    for placement in (Shard(0), Replicate()):
+        leaves = [e.clone().requires_grad_(), c.clone().requires_grad_(),
+                  bias.clone().requires_grad_()]
+        expected = cce.linear_cross_entropy(*leaves[:2], targets, bias=leaves[2],
+                                            filter_eps=None, temperature=0.8, z_loss=1e-2)
+        expected.backward()
+        e_d = distribute_tensor(e, mesh, [Replicate()]).requires_grad_()
+        c_d = distribute_tensor(c, mesh, [placement]).requires_grad_()
+        bias_d = distribute_tensor(bias, mesh, [placement]).requires_grad_()
+        loss = cce.linear_cross_entropy(e_d, c_d, targets, bias=bias_d, filter_eps=None,
+                                        temperature=0.8, z_loss=1e-2)
+        loss.backward()
+        assert relative_error(loss, expected) <= 1e-6, placement
+        for name, got, want in (("e", e_d.grad, leaves[0].grad), ("c", c_d.grad, leaves[1].grad),
+                                ("bias", bias_d.grad, leaves[2].grad)):
+            assert tuple(got.placements) == tuple(
+                {"e": e_d, "c": c_d, "bias": bias_d}[name].placements), (name, placement)
+            error = relative_error(got.full_tensor(), want)
+            assert error <= 1e-5, f"{name} ({placement}): relative error {error:.1e}"
+    with pytest.raises(ValueError, match="vocab_parallel must be None when c is a DTensor"):
+        cce.linear_cross_entropy(distribute_tensor(e, mesh, [Replicate()]),
+                                 distribute_tensor(c, mesh, [Shard(0)]), targets,
+                                 vocab_parallel=cce.VocabParallelOptions(0, vocab))
+    with pytest.raises(ValueError, match=r"c is a DTensor placed as Shard\(dim=1\)"):
+        cce.linear_cross_entropy(distribute_tensor(e, mesh, [Replicate()]),
+                                 distribute_tensor(c, mesh, [Shard(1)]), targets)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_dtensor_classifier_sharded_by_rows_is_a_vocab_parallel_call(
+        world_size: int, tmp_path: Path) -> None:
+    run_ranks(dtensor_worker, world_size, tmp_path, timeout_s=SPAWN_TIMEOUT_S)
