@@ -73,14 +73,14 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str, module: ModuleType = cce.ba
     return calls
 
 
-# float32 without a filter stores every tile, as bfloat16 does: left out for CI's time.
+# Left out for CI's time: float32 without a filter, which stores every tile as bfloat16 does;
+# float32 unsorted (the order is the sorted case's with another permutation); bfloat16 without
+# a filter unsorted (every tile is stored: sorting changes only their order).
 @pytest.mark.parametrize("dtype, filter_eps, vocab_sorting", [
     pytest.param(torch.float32, "auto", True, id="fp32-filter-sorted"),
-    pytest.param(torch.float32, "auto", False, id="fp32-filter-unsorted"),
     pytest.param(torch.bfloat16, "auto", True, id="bf16-filter-sorted"),
     pytest.param(torch.bfloat16, "auto", False, id="bf16-filter-unsorted"),
-    pytest.param(torch.bfloat16, None, True, id="bf16-nofilter-sorted"),
-    pytest.param(torch.bfloat16, None, False, id="bf16-nofilter-unsorted")])
+    pytest.param(torch.bfloat16, None, True, id="bf16-nofilter-sorted")])
 def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional[str],
                                         vocab_sorting: bool, device: str,
                                         gen: torch.Generator, two_passes: None,

@@ -437,3 +437,33 @@ def test_bad_options_raise_before_patching(device):
     with pytest.raises(ValueError, match="impl"):
         patch(model, impl="logits")
     assert "forward" not in vars(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_lora_adapters_get_the_unpatched_model_gradients(family: str, gen, device: str) -> None:
+    """PEFT LoRA on the attention projections with lm_head frozen: patching the wrapped model
+    (``patch(peft_model.get_base_model())``) gives the adapters the unpatched model's gradients,
+    and lm_head (frozen) none."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             lora_dropout=0.0, init_lora_weights=False)
+    reference = peft.get_peft_model(tiny_model(family, device), config)
+    patched = copy.deepcopy(reference)
+    patch(patched.get_base_model())
+    batch = make_batch(gen, device)
+    losses = []
+    for model in (reference, patched):
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert relative_error(losses[1], losses[0]) <= TOLERANCE
+    adapters = [name for name, parameter in reference.named_parameters()
+                if parameter.requires_grad]
+    assert adapters and all("lora_" in name for name in adapters)
+    expected = dict(reference.named_parameters())
+    for name, parameter in patched.named_parameters():
+        if name in adapters:
+            error = relative_error(parameter.grad, expected[name].grad)
+            assert error <= 1e-4, f"gradient of {name}: relative error {error:.2e}"
+        else:
+            assert parameter.grad is None, name
