@@ -57,7 +57,6 @@ from cce.scratch import Scratch, rows_can_hold_segments
 from cce.sparse_tile_matmul import (MassCorrection, RankOneUpdate, embeddings_block_out,
                                     embeddings_product_programs, gradient_times_classifier,
                                     gradient_times_embeddings, product_programs_per_block)
-from cce.weighting import RankOneTerm
 
 
 class CorrectionInputs(NamedTuple):

@@ -23,7 +23,7 @@ from cce import baselines
 from cce.chunked_torch import chunked_torch_loss
 from cce.config import KERNEL_DTYPES, kernels_take
 from cce.host_copy import start_host_copy
-from cce.options import IMPLEMENTATION_NAMES, LossOptions, default_filter_eps
+from cce.options import IMPLEMENTATION_NAMES, LossOptions
 from cce.weighting import LossWeighting
 from cce.vocab_parallel import (VocabParallelOptions, check_shards, local_tensors,
                                 vocab_parallel_loss)

@@ -52,7 +52,7 @@ import torch
 
 import cce
 from cce.cce_function import forward_kernels, recompute_table
-from cce.loss import default_filter_eps
+from cce.options import default_filter_eps
 from experiments.alpaca_data import add_data_argument
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
