@@ -225,6 +225,7 @@ def _loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
         valid = flat_targets >= 0
         token_weight = weighting.target_weight(flat_targets).to(lse.dtype)
         z_term = options.z_loss * token_weight * lse.square()
+        # where, not the weight's 0 alone: an ignored row's lse may be inf (0 * inf is NaN).
         token_loss = token_loss + torch.where(valid, z_term, 0.0)
     if read_any_out_of_range is None:
         # No host check possible (torch.compile, CUDA graph capture): poison the loss instead.

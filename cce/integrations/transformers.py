@@ -714,8 +714,8 @@ def _logit_scale_as_scaled_embeddings(
     embeddings: torch.Tensor, bias: Optional[torch.Tensor], scale: Union[float, torch.Tensor],
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Logits ``scale * (e @ c.T + b)`` as ``(scale * e) @ c.T + scale * b``: exact, and a
-    gradient flows to a learnt scale. (To become linear_cross_entropy's ``temperature`` when it
-    has it: see _scale_and_softcap.)"""
+    gradient flows to a learnt scale, which linear_cross_entropy's ``temperature`` (a number)
+    could not carry; for a number it is the same computation as ``temperature = 1 / scale``."""
     if not isinstance(scale, torch.Tensor) and math.isclose(scale, 1.0, rel_tol=1e-12):
         return embeddings, bias
     if isinstance(scale, torch.Tensor):
