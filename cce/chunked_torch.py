@@ -6,6 +6,10 @@ about ``CHUNK_LOGIT_BYTES``, exists at a time. The forward keeps only its inputs
 log-sum-exp (LSE); the backward recomputes each chunk's logits and turns them into that chunk's
 logit gradient, which it multiplies into dE, dC and dbias at once.
 
+Asked for, each row's entropy and argmax come from the forward's chunks of logits too (no
+extra pass; the entropy needs a second chunk-sized buffer, the softmax weights), and the
+backward adds the entropy's gradient to the same chunks (likewise with the probabilities).
+
 The logits are products of float32 copies of the inputs (float64 for float64 inputs, whose
 loss and LSE are float64 too): a product of two 16-bit numbers is exact in float32, so only
 float32 accumulation error remains, as in the Triton kernels. A
@@ -21,8 +25,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from cce.autograd import differentiable_once
-from cce.weighting import (LossWeighting, lse_and_cross_entropy, target_complement,
-                           target_entry)
+from cce.weighting import (LossWeighting, TokenOutputs, entropy_and_gradient_terms,
+                           lse_and_cross_entropy, target_complement, target_entry)
 
 if TYPE_CHECKING:
     from cce.options import LossOptions
@@ -33,13 +37,16 @@ CHUNK_LOGIT_BYTES = 32 * 2**20
 
 def chunked_torch_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                        bias: Optional[torch.Tensor], weighting: LossWeighting,
-                       options: LossOptions) -> "tuple[torch.Tensor, torch.Tensor]":
+                       options: LossOptions) -> TokenOutputs:
     """Per-token loss (F.cross_entropy's with ``weighting``, 0 at ignored tokens) and LSE,
-    float32 (N,) (float64 for float64 inputs), on the device of the inputs. Exact gradients:
-    of the options, only ``softcap`` applies."""
-    loss, lse, _ = ChunkedLinearCrossEntropy.apply(e, c, bias, targets, options.softcap,
-                                                   weighting.weight, weighting.label_smoothing)
-    return loss, lse
+    float32 (N,) (float64 for float64 inputs), on the device of the inputs, and with
+    ``return_entropy`` / ``return_argmax`` each row's softmax entropy (same dtype) and int64
+    argmax. Exact gradients, the entropy's included: of the other options, only ``softcap``
+    applies."""
+    loss, lse, entropy, argmax, _, _ = ChunkedLinearCrossEntropy.apply(
+        e, c, bias, targets, options.softcap, weighting.weight, weighting.label_smoothing,
+        options.return_entropy, options.return_argmax)
+    return TokenOutputs(loss, lse, entropy, argmax)
 
 
 def compute_dtype(e: torch.Tensor) -> torch.dtype:
@@ -78,17 +85,38 @@ def _without_autocast(method):
     return wrapped
 
 
+def _softmax_entropy(logits: torch.Tensor, lse: torch.Tensor,
+                     has_target: torch.Tensor) -> torch.Tensor:
+    """The entropy of each row's softmax, ``sum_v w_v (lse - z_v)`` with ``w = exp(z - lse)``,
+    from its logits (``logits``, which it overwrites; a row's target at -inf where
+    ``has_target``) and their LSE. Every term is positive. The LSE's rounding scales every
+    weight alike: dividing by their sum S and adding log S removes it. A row with a target whose
+    other logits are all -inf (V = 1) has entropy 0 (and weight 1 - p_y = 0); an ignored row of
+    -inf logits is NaN, as PyTorch's softmax of it. -inf logits weigh 0 and count as the lowest
+    finite number (0 * inf is NaN)."""
+    shift = lse.masked_fill((lse == -math.inf) & has_target, 0.0).unsqueeze(1)
+    weights = (logits - shift).exp()
+    weight_sum = weights.sum(dim=1)
+    spread = logits.clamp_(min=torch.finfo(logits.dtype).min).neg_().add_(shift)
+    entropy = weights.mul_(spread).sum(dim=1).div_(weight_sum).add_(weight_sum.log())
+    return torch.where(weight_sum == 0, 0.0, entropy)
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Per-token loss and LSE, float32 (N,), and each row's ``1 - p_y``
-    (:func:`cce.weighting.target_complement`, for the backward); targets are canonical (int64,
-    -1 = ignored). With ``setup_context``, so that torch.func's transforms can differentiate it.
+    """Per-token loss and LSE, float32 (N,); with ``entropy`` each row's softmax entropy, else
+    None; with ``argmax`` each row's int64 argmax, else None; each row's ``1 - p_y``
+    (:func:`cce.weighting.target_complement`); and with ``entropy`` a float32 (2, N) of each
+    row's mean logit mu and the entropy's gradient at its target, ``p_y (z_y - mu)`` (0 without
+    a target; :func:`cce.weighting.entropy_and_gradient_terms`), else None (the last two for
+    the backward). Targets are canonical (int64, -1 = ignored). With ``setup_context``, so that
+    torch.func's transforms can differentiate it.
     """
 
     @staticmethod
     @_without_autocast
     def forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, softcap: Optional[float], weight: Optional[torch.Tensor],
-                label_smoothing: float):
+                label_smoothing: float, entropy: bool = False, argmax: bool = False):
         compute = compute_dtype(e)
         c32, bias32 = c.to(compute), None if bias is None else bias.to(compute)
         num_tokens = e.shape[0]
@@ -98,6 +126,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         target_logit = torch.empty_like(other_lse)
         # sum_v weight[v] * logit[v] of every row, for label smoothing (cce.weighting).
         logit_sum = torch.empty_like(other_lse) if label_smoothing else None
+        # The entropy of each row's non-target logits under their own softmax.
+        other_entropy = torch.empty_like(other_lse) if entropy else None
+        row_argmax = torch.empty(num_tokens, dtype=torch.int64, device=e.device) if argmax \
+            else None
         gather_index = targets.clamp(min=0).unsqueeze(1)  # ignored rows read column 0, unused
         has_target = (targets >= 0).unsqueeze(1)
         rows = chunk_rows(c.shape[0])
@@ -107,53 +139,87 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if logit_sum is not None:
                 logit_sum[chunk] = (logits.sum(dim=1) if weight is None
                                     else logits @ weight)
+            if row_argmax is not None:  # of the logits themselves, before the target's -inf
+                row_argmax[chunk] = logits.argmax(dim=1)
             chunk_target_logit = logits.gather(1, gather_index[chunk])
             target_logit[chunk] = chunk_target_logit.squeeze(1)
             # -inf at the targets; ignored rows keep their column 0.
             logits.scatter_(1, gather_index[chunk],
                             chunk_target_logit.masked_fill(has_target[chunk], -math.inf))
-            other_lse[chunk] = torch.logsumexp(logits, dim=1)
+            chunk_other_lse = torch.logsumexp(logits, dim=1)
+            other_lse[chunk] = chunk_other_lse
+            if other_entropy is not None:
+                other_entropy[chunk] = _softmax_entropy(logits, chunk_other_lse,
+                                                        has_target[chunk].squeeze(1))
         lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
         weighting = LossWeighting(weight, label_smoothing)
         loss = weighting.token_loss(cross_entropy, lse, logit_sum, targets, c.shape[0])
-        return loss, lse, target_complement(other_lse, lse)
+        complement = target_complement(other_lse, lse)
+        row_entropy = entropy_terms = None
+        if other_entropy is not None:
+            row_entropy, mean, target_term = entropy_and_gradient_terms(
+                other_entropy, other_lse, target_logit, lse, cross_entropy, complement, targets)
+            entropy_terms = torch.stack([mean, target_term])
+        return loss, lse, row_entropy, row_argmax, complement, entropy_terms
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        e, c, bias, targets, softcap, weight, label_smoothing = inputs
-        _, lse, complement = output
-        ctx.mark_non_differentiable(complement)
-        ctx.save_for_backward(e, c, bias, targets, lse, complement, weight)
+        e, c, bias, targets, softcap, weight, label_smoothing, _, _ = inputs
+        _, lse, _, row_argmax, complement, entropy_terms = output
+        ctx.mark_non_differentiable(*(tensor for tensor in (row_argmax, complement, entropy_terms)
+                                      if tensor is not None))
+        # Unused outputs' gradients stay None: an entropy nobody differentiates costs nothing.
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(e, c, bias, targets, lse, complement, weight, entropy_terms)
         ctx.softcap = softcap
         ctx.label_smoothing = label_smoothing
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor, _grad_complement):
+    def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
+                 grad_entropy: Optional[torch.Tensor], _grad_argmax, _grad_complement,
+                 _grad_entropy_terms):
         e, c, bias = ctx.saved_tensors[:3]
         with torch.no_grad():  # the in-place chunk arithmetic records no graph
-            gradients = ChunkedLinearCrossEntropy._gradients(ctx, grad_loss, grad_lse)
+            gradients = ChunkedLinearCrossEntropy._gradients(ctx, grad_loss, grad_lse,
+                                                             grad_entropy)
         # Under create_graph=True, a gradient with no grad_fn would silently drop its part of a
         # term built on it (a gradient penalty): differentiating it raises instead.
-        return differentiable_once(gradients, (e, c, bias, grad_loss, grad_lse)) + (None,) * 4
+        return differentiable_once(
+            gradients, (e, c, bias, grad_loss, grad_lse, grad_entropy)) + (None,) * 6
 
     @staticmethod
     @_without_autocast
-    def _gradients(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor):
-        """(dE, dC, dbias), None where not needed."""
-        e, c, bias, targets, lse, complement, weight = ctx.saved_tensors
+    def _gradients(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
+                   grad_entropy: Optional[torch.Tensor]):
+        """(dE, dC, dbias), None where not needed; a None upstream gradient is 0."""
+        e, c, bias, targets, lse, complement, weight, entropy_terms = ctx.saved_tensors
         needs_grad_e, needs_grad_c, needs_grad_bias = ctx.needs_input_grad[:3]
+        compute = compute_dtype(e)
+        if grad_loss is None:
+            grad_loss = torch.zeros_like(lse)
+        if grad_lse is None:
+            grad_lse = torch.zeros_like(lse)
         softcap = ctx.softcap
         # d(loss * grad_loss + lse * grad_lse)/d(logits) = softmax * prob_scale off the target,
         # the target's entry at it, + uniform_scale * weight (cce.weighting); ignored rows only
-        # have the lse's term.
+        # have the lse's term. With the entropy's upstream gradient g, every entry adds
+        # -g p_v (z_v - mu) (mu: the row's mean logit), the target's -g p_y (z_y - mu) from the
+        # forward's exact form (cce.weighting.entropy_and_gradient_terms).
         scales = LossWeighting(weight, ctx.label_smoothing).gradient_scales(
             grad_loss, targets, c.shape[0])
-        compute = compute_dtype(e)
         scales = scales._replace(softmax=scales.softmax + grad_lse.to(compute))
         prob_scale = scales.softmax.unsqueeze(1)
         # Ignored rows keep their column 0's softmax entry.
         has_target = (targets >= 0).unsqueeze(1)
-        entry = target_entry(scales, complement).unsqueeze(1)
+        entry = target_entry(scales, complement)
+        entropy_scale = mean = None
+        if grad_entropy is not None:
+            entropy_scale = grad_entropy.to(compute).neg()
+            mean, target_term = entropy_terms
+            entry = entry + entropy_scale * target_term
+            entropy_scale, mean = entropy_scale.unsqueeze(1), mean.unsqueeze(1)
+            lowest = torch.finfo(compute).min
+        entry = entry.unsqueeze(1)
         uniform_scale = scales.uniform
         uniform_weight = None
         if uniform_scale is not None:
@@ -176,7 +242,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             chunk = slice(start, start + rows)
             e32 = e[chunk].to(compute)
             logits, capped = _chunk_logits(e32, c32, bias32, softcap)
-            grad_logits = logits.sub_(softmax_shift[chunk]).exp_().mul_(prob_scale[chunk])
+            if entropy_scale is None:
+                grad_logits = logits.sub_(softmax_shift[chunk]).exp_().mul_(prob_scale[chunk])
+            else:
+                probs = (logits - softmax_shift[chunk]).exp_()
+                # p_v (z_v - mu) first: 0 where p_v is 0, whatever the scale (-inf logits count
+                # as the lowest finite number, 0 * -inf being NaN).
+                grad_logits = logits.clamp_(min=lowest).sub_(mean[chunk]).mul_(probs)
+                grad_logits.mul_(entropy_scale[chunk]).addcmul_(probs, prob_scale[chunk])
             at_target = grad_logits.gather(1, scatter_index[chunk])
             grad_logits.scatter_(1, scatter_index[chunk],
                                  torch.where(has_target[chunk], entry[chunk], at_target))
