@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from cce.weighting import TokenOutputs
+
 
 def needs_gradient(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether a backward will follow: grad mode on and some input requiring grad."""
@@ -20,12 +22,13 @@ def needs_gradient(*tensors: Optional[torch.Tensor]) -> bool:
 
 
 def tokenless_loss(e: torch.Tensor, c: torch.Tensor,
-                   bias: Optional[torch.Tensor]) -> "tuple[torch.Tensor, torch.Tensor]":
-    """The per-token loss and LSE of no tokens: zero-size outputs that still connect every
-    input to the graph."""
+                   bias: Optional[torch.Tensor]) -> TokenOutputs:
+    """The per-token outputs of no tokens: zero-size tensors that still connect every input to
+    the graph."""
     connected = e.sum() + c.sum() + (bias.sum() if bias is not None else 0)
     empty = e.new_zeros(0, dtype=torch.promote_types(e.dtype, torch.float32)) + connected * 0
-    return empty, empty.clone()
+    return TokenOutputs(empty, empty.clone(), empty.clone(),
+                        torch.empty(0, dtype=torch.int64, device=e.device))
 
 
 def differentiable_once(gradients: "Sequence[Optional[torch.Tensor]]",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 
-from cce.weighting import LossWeighting
+from cce.weighting import LossWeighting, TokenOutputs
 
 if TYPE_CHECKING:
     from cce.options import LossOptions
@@ -38,11 +38,19 @@ def materialized_logits(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.T
 
 def _logits_loss_lse(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                      bias: Optional[torch.Tensor], softcap: Optional[float],
-                     weighting: LossWeighting):
+                     weighting: LossWeighting, entropy: bool = False, argmax: bool = False):
+    """(loss, lse, entropy or None, argmax or None) of the materialized logits."""
     logits = materialized_logits(e, c, bias, softcap)
     loss = F.cross_entropy(logits, targets, weight=weighting.weight, ignore_index=-1,
                            reduction="none", label_smoothing=weighting.label_smoothing)
-    return loss, torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    row_entropy = None
+    if entropy:
+        # L - sum_v p_v z_v (verl's entropy_from_logits); -inf logits, whose p is 0, count as
+        # the dtype's lowest number, so that 0 * -inf adds 0, not NaN.
+        finite_low = logits.clamp(min=torch.finfo(logits.dtype).min)
+        row_entropy = lse - (torch.softmax(logits, dim=-1) * finite_low).sum(dim=-1)
+    return loss, lse, row_entropy, logits.argmax(dim=-1) if argmax else None
 
 
 @functools.cache
@@ -60,28 +68,39 @@ def _compile_settings():
 # The baselines compute exact gradients: of the options, only softcap applies.
 
 
+def _arguments(options: LossOptions) -> tuple:
+    """What :func:`_logits_loss_lse` takes from the options."""
+    return options.softcap, options.return_entropy, options.return_argmax
+
+
 def torch_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-               bias: Optional[torch.Tensor], weighting: LossWeighting, options: LossOptions):
+               bias: Optional[torch.Tensor], weighting: LossWeighting,
+               options: LossOptions) -> TokenOutputs:
     """Materialize the logits."""
-    return _logits_loss_lse(e, c, targets, bias, options.softcap, weighting)
+    softcap, entropy, argmax = _arguments(options)
+    return TokenOutputs(*_logits_loss_lse(e, c, targets, bias, softcap, weighting, entropy,
+                                          argmax))
 
 
 def torch_compile_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                        bias: Optional[torch.Tensor], weighting: LossWeighting,
-                       options: LossOptions):
+                       options: LossOptions) -> TokenOutputs:
+    softcap, entropy, argmax = _arguments(options)
     with _compile_settings():
-        return _compiled()(e, c, targets, bias, options.softcap, weighting)
+        return TokenOutputs(*_compiled()(e, c, targets, bias, softcap, weighting, entropy,
+                                         argmax))
 
 
 def chunked_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                 bias: Optional[torch.Tensor], weighting: LossWeighting, options: LossOptions):
-    softcap = options.softcap
+                 bias: Optional[torch.Tensor], weighting: LossWeighting,
+                 options: LossOptions) -> TokenOutputs:
+    softcap, entropy, argmax = _arguments(options)
     compiled = _compiled()
     with _compile_settings():
-        chunks = [compiled(e_chunk, c, target_chunk, bias, softcap, weighting)
+        chunks = [compiled(e_chunk, c, target_chunk, bias, softcap, weighting, entropy, argmax)
                   for e_chunk, target_chunk
                   in zip(e.chunk(NUM_CHUNKS), targets.chunk(NUM_CHUNKS))]
     if not chunks:  # no tokens at all
-        return _logits_loss_lse(e, c, targets, bias, softcap, weighting)
-    losses, lses = zip(*chunks)
-    return torch.cat(losses), torch.cat(lses)
+        return torch_loss(e, c, targets, bias, weighting, options)
+    return TokenOutputs(*(None if parts[0] is None else torch.cat(parts)
+                          for parts in zip(*chunks)))

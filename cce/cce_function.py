@@ -26,8 +26,9 @@ from cce.lse_forward import lse_forward
 from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
 from cce.live_tiles import live_tiles
 from cce.vocab_order import sort_vocabulary, target_positions
-from cce.weighting import (LossWeighting, RankOneTerm, lse_and_cross_entropy, target_complement,
-                           target_entry)
+from cce.weighting import (EntropyTerm, LossWeighting, RankOneTerm, TokenOutputs,
+                           entropy_and_gradient_terms, lse_and_cross_entropy,
+                           target_complement, target_entry)
 
 if TYPE_CHECKING:
     from cce.options import LossOptions
@@ -43,20 +44,26 @@ class ForwardResults(NamedTuple):
     target_complement: torch.Tensor  # float32 (N,): 1 - p_y (cce.weighting.target_complement)
     tile_bound: Optional[torch.Tensor]  # float32 live-grid table, see cce.lse_forward
     classifier_row_sum: Optional[torch.Tensor]  # float32 (D,) c.sum(0), read with the order
+    entropy: Optional[torch.Tensor] = None  # float32 (N,)
+    # float32 (2, N): the mean logit mu and p_y (z_y - mu) (0 without a target), for the
+    # entropy's gradient (cce.weighting.entropy_and_gradient_terms)
+    entropy_terms: Optional[torch.Tensor] = None
+    argmax: Optional[torch.Tensor] = None  # int64 (N,)
 
 
 def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                     targets: torch.Tensor, softcap: Optional[float], records_bounds: bool,
                     vocab_sorting: bool, *, logit_sum: Optional[torch.Tensor] = None,
                     curvature_sum: Optional[torch.Tensor] = None,
-                    class_weight: Optional[torch.Tensor] = None,
-                    deterministic: bool = False, may_copy_classifier: bool = False
-                    ) -> ForwardResults:
+                    class_weight: Optional[torch.Tensor] = None, entropy: bool = False,
+                    argmax: bool = False, deterministic: bool = False,
+                    may_copy_classifier: bool = False) -> ForwardResults:
     """Run the forward's kernels: vocabulary order, indexed dot, linear-log-sum-exp.
     ``records_bounds``: a filtering backward will follow, so the forward records the bounds of
     the live grid's tiles (else None) and, with ``vocab_sorting``, sorts the vocabulary first
     (else the order is None: sorting only serves the backward's skipping), and with it the sum
-    of the rows of ``c``, from the same read, for the backward's mass correction. ``logit_sum``,
+    of the rows of ``c``, from the same read, for the backward's mass correction. ``entropy``,
+    ``argmax``: also each row's entropy (and what its gradient needs) and argmax. ``logit_sum``,
     ``curvature_sum``, ``class_weight``, ``deterministic``, ``may_copy_classifier``: see
     :func:`cce.lse_forward.lse_forward`."""
     order = row_sum = None
@@ -64,16 +71,26 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
         order, row_sum = sort_vocabulary(e, c, bias, targets)
     target_logit = indexed_dot(e, c, targets, bias, softcap)
     positions = target_positions(targets, order)
+    other_entropy = torch.zeros_like(target_logit) if entropy else None
+    row_argmax = torch.empty(targets.shape, dtype=torch.int64, device=e.device) if argmax \
+        else None
     # The target logits double as lower bounds of the LSE for the tile bounds.
     other_lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
                                         target_logit if records_bounds else None,
                                         left_out=positions, logit_sum=logit_sum,
                                         curvature_sum=curvature_sum, class_weight=class_weight,
+                                        entropy=other_entropy, argmax=row_argmax,
                                         deterministic=deterministic,
                                         may_copy_classifier=may_copy_classifier)
     lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
-    return ForwardResults(order, positions, lse, cross_entropy,
-                          target_complement(other_lse, lse), tile_bound, row_sum)
+    complement = target_complement(other_lse, lse)
+    row_entropy = entropy_terms = None
+    if entropy:
+        row_entropy, mean, target_term = entropy_and_gradient_terms(
+            other_entropy, other_lse, target_logit, lse, cross_entropy, complement, targets)
+        entropy_terms = torch.stack([mean, target_term])
+    return ForwardResults(order, positions, lse, cross_entropy, complement, tile_bound, row_sum,
+                          row_entropy, entropy_terms, row_argmax)
 
 
 def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
@@ -121,15 +138,19 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  targets: torch.Tensor, weight: Optional[torch.Tensor], softcap: Optional[float],
                  filter_eps: Optional[float], vocab_sorting: bool, filter_correction: bool,
                  label_smoothing: float, deterministic: bool, keep_tiles: bool,
-                 needs_grad: bool, grad_c_follows: bool,
+                 return_entropy: bool, return_argmax: bool, needs_grad: bool,
+                 grad_c_follows: bool,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                            torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-token loss, lse, target complement, target positions, vocabulary order, tile bounds,
-    curvature sum, classifier row sum): float32 (N,), float32 (N,), float32 (N,) ``1 - p_y``
-    (:func:`cce.weighting.target_complement`), int32 (N,), int32 (V,) or empty, float32
-    live-grid table or empty, float32 (N,) with a softcap, label smoothing and ``needs_grad``
-    (:meth:`cce.weighting.LossWeighting.rank_one_term`) or empty, float32 (D,) with the order or
-    empty. Targets are canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and
+                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor]:
+    """(per-token loss, lse, entropy, argmax, target complement, target positions, vocabulary
+    order, tile bounds, curvature sum, classifier row sum, entropy terms): float32 (N,), float32
+    (N,), float32 (N,) with ``return_entropy`` or empty, int64 (N,) with ``return_argmax`` or
+    empty, float32 (N,) ``1 - p_y`` (:func:`cce.weighting.target_complement`), int32 (N,),
+    int32 (V,) or empty, float32 live-grid table or empty, float32 (N,) with a softcap, label
+    smoothing and ``needs_grad`` (:meth:`cce.weighting.LossWeighting.rank_one_term`) or empty,
+    float32 (D,) with the order or empty, float32 (2, N) with the entropy and ``needs_grad``
+    (:attr:`ForwardResults.entropy_terms`) or empty. Targets are canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and
     ``label_smoothing`` as in :mod:`cce.weighting`.
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
     ``grad_c_follows``: that backward computes dC (see :func:`_may_copy_classifier`);
@@ -143,21 +164,23 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     forward = forward_kernels(
         e, c, bias, targets, softcap, _records_bounds(filter_eps, needs_grad), vocab_sorting,
         logit_sum=logit_sum, curvature_sum=curvature_sum, class_weight=weight,
-        deterministic=deterministic,
+        entropy=return_entropy, argmax=return_argmax, deterministic=deterministic,
         may_copy_classifier=_may_copy_classifier(e, needs_grad, grad_c_follows))
     loss = LossWeighting(weight, label_smoothing).token_loss(
         forward.cross_entropy, forward.lse, logit_sum, targets, c.shape[0])
-    return (loss, forward.lse, forward.target_complement, forward.target_positions,
-            _or_empty(forward.order, torch.int32, e.device),
+    return (loss, forward.lse, _or_empty(forward.entropy, torch.float32, e.device),
+            _or_empty(forward.argmax, torch.int64, e.device), forward.target_complement,
+            forward.target_positions, _or_empty(forward.order, torch.int32, e.device),
             _or_empty(forward.tile_bound, torch.float32, e.device),
             _or_empty(curvature_sum, torch.float32, e.device),
-            _or_empty(forward.classifier_row_sum, torch.float32, e.device))
+            _or_empty(forward.classifier_row_sum, torch.float32, e.device),
+            _or_empty(forward.entropy_terms if needs_grad else None, torch.float32, e.device))
 
 
 @loss_forward.register_fake
 def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_sorting,
-                       filter_correction, label_smoothing, deterministic, keep_tiles, needs_grad,
-                       grad_c_follows):
+                       filter_correction, label_smoothing, deterministic, keep_tiles,
+                       return_entropy, return_argmax, needs_grad, grad_c_follows):
     num_tokens, vocab_size = e.shape[0], c.shape[0]
     records_bounds = _records_bounds(filter_eps, needs_grad)
     grid = kernel_configs(e.dtype).live_grid  # lse_forward's table: one row per token block
@@ -166,13 +189,17 @@ def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_s
     sorts = records_bounds and vocab_sorting
     return (e.new_empty(num_tokens, dtype=torch.float32),
             e.new_empty(num_tokens, dtype=torch.float32),
+            e.new_empty(num_tokens if return_entropy else 0, dtype=torch.float32),
+            e.new_empty(num_tokens if return_argmax else 0, dtype=torch.int64),
             e.new_empty(num_tokens, dtype=torch.float32),
             e.new_empty(num_tokens, dtype=torch.int32),
             e.new_empty(vocab_size if sorts else 0, dtype=torch.int32),
             e.new_empty(bound_shape, dtype=torch.float32),
             e.new_empty(num_tokens if _sums_curvature(softcap, label_smoothing, needs_grad)
                         else 0, dtype=torch.float32),
-            e.new_empty(e.shape[1] if sorts else 0, dtype=torch.float32))
+            e.new_empty(e.shape[1] if sorts else 0, dtype=torch.float32),
+            e.new_empty((2, num_tokens) if return_entropy and needs_grad else (0,),
+                        dtype=torch.float32))
 
 
 @torch.library.custom_op("cce::loss_backward", mutates_args=())
@@ -180,16 +207,18 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
                   targets: torch.Tensor, weight: Optional[torch.Tensor], lse: torch.Tensor,
                   target_complement: torch.Tensor, positions: torch.Tensor,
                   order: torch.Tensor, tile_bound: torch.Tensor, curvature_sum: torch.Tensor,
-                  classifier_row_sum: torch.Tensor,
+                  classifier_row_sum: torch.Tensor, entropy_terms: torch.Tensor,
                   grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
+                  grad_entropy: Optional[torch.Tensor],
                   softcap: Optional[float], filter_eps: Optional[float],
                   filter_correction: bool, label_smoothing: float, keep_tiles: bool,
                   needs_grad_e: bool, needs_grad_c: bool,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` (a None gradient counts as
-    0), each empty when not needed (dC and dbias both come with ``needs_grad_c``).
-    ``target_complement``, ``positions``, ``order``, ``tile_bound``, ``curvature_sum`` and
-    ``classifier_row_sum``: from :func:`loss_forward`.
+    """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse + entropy * grad_entropy)``
+    (a None gradient counts as 0), each empty when not needed (dC and dbias both come with
+    ``needs_grad_c``). ``target_complement``, ``positions``, ``order``, ``tile_bound``,
+    ``curvature_sum``, ``classifier_row_sum`` and ``entropy_terms``: from
+    :func:`loss_forward`.
     ``filter_correction``: with filtering and no softcap, dE gets back what the filter dropped
     (:mod:`cce.sparse_tile_matmul`).
     ``keep_tiles``: recompute each live tile once, into memory of its own
@@ -205,20 +234,27 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         scales = scales._replace(softmax=scales.softmax + grad_lse.float())
     rank_one = (weighting.rank_one_term(scales.uniform, curvature_sum, c.shape[0])
                 if scales.uniform is not None else None)
+    entry = target_entry(scales, target_complement)
+    entropy = None
+    # The rows with a softmax term in their gradient: for the live table, only != 0 counts.
+    softmax_rows = scales.softmax
+    if grad_entropy is not None:
+        entropy = EntropyTerm(-grad_entropy.float(), entropy_terms[0])
+        entry = entry + entropy.scale * entropy_terms[1]
+        softmax_rows = scales.softmax.abs() + entropy.scale.abs()
     if e.shape[1] == 0:
         grad_bias = (_bias_gradient_without_dimensions(bias, targets, softcap, scales.softmax,
-                                                       scales.target, rank_one)
+                                                       scales.target, rank_one, entropy)
                      if needs_grad_c and bias is not None else None)
         return (e.new_zeros(e.shape if needs_grad_e else (0,)),
                 c.new_zeros(c.shape if needs_grad_c else (0,)),
                 _or_empty(grad_bias, c.dtype, c.device))
     live = None
     if tile_bound.numel():
-        live = recompute_table(tile_bound, lse, scales.softmax, positions, e.dtype, filter_eps)
+        live = recompute_table(tile_bound, lse, softmax_rows, positions, e.dtype, filter_eps)
     # The tiles add up the softmax mass off the targets, 1 - p_y (cce.sparse_tile_matmul).
-    recompute = RecomputeInputs(e, c, positions, bias, softcap, lse, scales.softmax,
-                                target_entry(scales, target_complement), order, filter_eps,
-                                rank_one)
+    recompute = RecomputeInputs(e, c, positions, bias, softcap, lse, scales.softmax, entry,
+                                order, filter_eps, rank_one, entropy)
     correction = (CorrectionInputs(target_complement, classifier_row_sum)
                   if uses_mass_correction(filter_correction, filter_eps, softcap) else None)
     grad_e, grad_c, grad_bias = linear_cross_entropy_backward(recompute, BackwardRequest(
@@ -230,7 +266,8 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
 def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
                                       softcap: Optional[float], prob_scale: torch.Tensor,
                                       target_scale: torch.Tensor,
-                                      rank_one: Optional[RankOneTerm]) -> torch.Tensor:
+                                      rank_one: Optional[RankOneTerm],
+                                      entropy: Optional[EntropyTerm]) -> torch.Tensor:
     """dbias when D = 0 (the kernels' tiles need D > 0): every row's logits are the (capped)
     bias, so every row has the same softmax."""
     logits = bias.float()
@@ -238,7 +275,11 @@ def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
         capped = torch.tanh(logits / softcap)
         logits = softcap * capped
     target_sums = torch.zeros_like(logits).index_add_(0, targets.clamp(min=0), target_scale)
-    grad = torch.softmax(logits, dim=0) * prob_scale.sum() - target_sums
+    softmax = torch.softmax(logits, dim=0)
+    grad = softmax * prob_scale.sum() - target_sums
+    if entropy is not None:  # every row's mean logit is the same too
+        mean = (softmax * logits.clamp(min=torch.finfo(logits.dtype).min)).sum()
+        grad = grad + softmax * (logits - mean) * entropy.scale.sum()
     if rank_one is not None:
         class_weight = rank_one.weight if rank_one.weight is not None else 1.0
         grad = grad + class_weight * rank_one.scale.sum()
@@ -249,8 +290,8 @@ def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
 
 @loss_backward.register_fake
 def _loss_backward_fake(e, c, bias, targets, weight, lse, target_complement, positions, order,
-                        tile_bound, curvature_sum, classifier_row_sum, grad_loss, grad_lse,
-                        softcap, filter_eps, filter_correction, label_smoothing, keep_tiles,
+                        tile_bound, curvature_sum, classifier_row_sum, entropy_terms, grad_loss,
+                        grad_lse, grad_entropy, softcap, filter_eps, filter_correction, label_smoothing, keep_tiles,
                         needs_grad_e, needs_grad_c):
     return (e.new_empty(e.shape if needs_grad_e else (0,)),
             c.new_empty(c.shape if needs_grad_c else (0,)),
@@ -262,32 +303,34 @@ def _loss_backward_fake(e, c, bias, targets, weight, lse, target_complement, pos
 
 def _loss_forward_setup_context(ctx, inputs, output) -> None:
     (e, c, bias, targets, weight, softcap, filter_eps, _, filter_correction, label_smoothing, _,
-     keep_tiles, _, _) = inputs
-    _, lse, complement, positions, order, tile_bound, curvature_sum, row_sum = output
-    ctx.mark_non_differentiable(complement, positions, order, tile_bound, curvature_sum, row_sum)
+     keep_tiles, *_) = inputs
+    (_, lse, _, argmax, complement, positions, order, tile_bound, curvature_sum, row_sum,
+     entropy_terms) = output
+    ctx.mark_non_differentiable(argmax, complement, positions, order, tile_bound, curvature_sum,
+                                row_sum, entropy_terms)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(e, c, bias, targets, weight, lse, complement, positions, order,
-                          tile_bound, curvature_sum, row_sum)
+                          tile_bound, curvature_sum, row_sum, entropy_terms)
     ctx.options = (softcap, filter_eps, filter_correction, label_smoothing, keep_tiles)
 
 
 def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
-                           grad_lse: Optional[torch.Tensor], _grad_complement, _grad_positions,
-                           _grad_order, _grad_tile_bound, _grad_curvature_sum, _grad_row_sum):
+                           grad_lse: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
+                           *_grad_non_differentiable):
     """Gradients of e, c and bias (None for the targets and the options)."""
     (e, c, bias, targets, weight, lse, complement, positions, order, tile_bound, curvature_sum,
-     row_sum) = ctx.saved_tensors
+     row_sum, entropy_terms) = ctx.saved_tensors
     needs_e, needs_c, needs_bias = ctx.needs_input_grad[:3]
     with torch.no_grad():  # under create_graph=True too: see differentiable_once
         grad_e, grad_c, grad_bias = loss_backward(
             e, c, bias, targets, weight, lse, complement, positions, order, tile_bound,
-            curvature_sum, row_sum, grad_loss, grad_lse, *ctx.options,
-            needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
+            curvature_sum, row_sum, entropy_terms, grad_loss, grad_lse, grad_entropy,
+            *ctx.options, needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
     gradients = differentiable_once(
         [grad if needed else None
          for grad, needed in ((grad_e, needs_e), (grad_c, needs_c), (grad_bias, needs_bias))],
-        (e, c, bias, grad_loss, grad_lse))
-    return gradients + (None,) * 11
+        (e, c, bias, grad_loss, grad_lse, grad_entropy))
+    return gradients + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 loss_forward.register_autograd(_loss_forward_backward, setup_context=_loss_forward_setup_context)
@@ -330,7 +373,9 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     arguments = (e, c, bias, targets.contiguous(), weighting.weight, options.softcap,
                  options.filter_eps, options.vocab_sorting, options.filter_correction,
                  weighting.label_smoothing, options.deterministic, options.keep_tiles,
-                 needs_grad, needs_grad and c.requires_grad)
-    loss, lse, *_ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
-                     else loss_forward(*arguments))
-    return loss, lse
+                 options.return_entropy, options.return_argmax, needs_grad,
+                 needs_grad and c.requires_grad)
+    loss, lse, entropy, argmax, *_ = (_LinearCrossEntropy.apply(*arguments) if needs_grad
+                                      else loss_forward(*arguments))
+    return TokenOutputs(loss, lse, entropy if options.return_entropy else None,
+                        argmax if options.return_argmax else None)

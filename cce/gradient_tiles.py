@@ -29,7 +29,7 @@ from cce.config import dot_precision, kernel_configs
 from cce.logit_tile import logit_gradient_tile, round_to, vocab_block_entries
 from cce.live_lists import TileLists
 from cce.scratch import Scratch, segment_offsets
-from cce.weighting import RankOneTerm
+from cce.weighting import EntropyTerm, RankOneTerm
 
 KEPT_MASS_ONE = tl.constexpr(2**62)  # a softmax mass m is added up as int64 m * 2^62
 KEPT_MASS_UNIT = tl.constexpr(2.0**-62)
@@ -44,7 +44,8 @@ def store_tile(scratch_ptr, offsets, grad, row_mask, DOT_PRECISION: tl.constexpr
 @triton.jit
 def gradient_tiles_kernel(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_entry_ptr,
-    uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, vocab_order_ptr, live_tiles_ptr,
+    uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, entropy_scale_ptr, mean_logit_ptr,
+    vocab_order_ptr, live_tiles_ptr,
     flags_ptr, kept_mass_ptr, scratch_ptr, pages_ptr,
     tile_lists_ptr, tile_counts_ptr, first_slots_ptr, slot_map_ptr,
     num_tokens, vocab_size, dim, num_vocab_blocks,
@@ -52,7 +53,7 @@ def gradient_tiles_kernel(
     longest_list, list_stride, page_stride,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
-    UNIFORM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
+    UNIFORM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, ENTROPY: tl.constexpr,
     SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr, LISTED: tl.constexpr,
     SLOT_MAP: tl.constexpr,
     SUM_KEPT_MASS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
@@ -104,11 +105,11 @@ def gradient_tiles_kernel(
             vocab_order_ptr, vocab_block, entries, vocab_size, BLOCK_VOCAB, SORTED)
         grad, keep, row_mass = logit_gradient_tile(
             e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr,
-            target_entry_ptr, uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, rows,
-            row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
-            stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
-            HAS_BIAS, HAS_SOFTCAP, FILTER, UNIFORM, HAS_CLASS_WEIGHT, BLOCK_TOKENS, BLOCK_VOCAB,
-            BLOCK_DIM, DOT_PRECISION,
+            target_entry_ptr, uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr,
+            entropy_scale_ptr, mean_logit_ptr, rows, row_mask, vocab_block, vocab, vocab_mask,
+            vocab_size, dim, stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
+            filter_eps, HAS_BIAS, HAS_SOFTCAP, FILTER, UNIFORM, HAS_CLASS_WEIGHT, ENTROPY,
+            BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
         )
         if LISTED:
             # Every listed tile is read by the product: one the filter drops reads as zeros.
@@ -135,7 +136,8 @@ class RecomputeInputs(NamedTuple):
     (:func:`cce.weighting.target_entry`); ``filter_eps``: the
     exact filter's threshold (None: store every recomputed tile); ``rank_one``: the gradient's
     rank-one term (label smoothing), which the products add; with a softcap the tiles hold its
-    part that is not rank-one (:func:`cce.logit_tile.logit_gradient_tile`)."""
+    part that is not rank-one (:func:`cce.logit_tile.logit_gradient_tile`); ``entropy``: the
+    entropy's term (:class:`cce.weighting.EntropyTerm`), None without an entropy gradient."""
 
     e: torch.Tensor
     c: torch.Tensor
@@ -148,6 +150,7 @@ class RecomputeInputs(NamedTuple):
     vocab_order: Optional[torch.Tensor]
     filter_eps: Optional[float]
     rank_one: Optional[RankOneTerm]
+    entropy: Optional[EntropyTerm] = None
 
 
 def gradient_tiles(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
@@ -183,7 +186,7 @@ def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
             slot_map: Optional[torch.Tensor] = None,
             first_slot: Optional[torch.Tensor] = None) -> None:
     (e, c, target_positions, bias, softcap, lse, prob_scale, target_entry, vocab_order,
-     filter_eps, rank_one) = inputs
+     filter_eps, rank_one, entropy) = inputs
     num_tokens, dim = e.shape
     configs = kernel_configs(e.dtype)
     listed = tile_lists is not None
@@ -201,7 +204,10 @@ def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
                else RankOneTerm(None, None))
     gradient_tiles_kernel[(programs,)](
         e, c, bias, target_positions, lse, prob_scale, target_entry, uniform.scale,
-        uniform.curvature_mean, uniform.weight, vocab_order, live_tiles, flags, kept_mass,
+        uniform.curvature_mean, uniform.weight,
+        entropy.scale if entropy is not None else None,
+        entropy.mean_logit if entropy is not None else None,
+        vocab_order, live_tiles, flags, kept_mass,
         scratch.buffer, scratch.pages,
         tile_lists.lists if listed else None, tile_lists.counts if listed else None,
         tile_lists.first_slots if listed else first_slot, slot_map,
@@ -212,7 +218,7 @@ def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0, filter_eps or 0.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
         FILTER=filter_eps is not None, UNIFORM=uniform.scale is not None,
-        HAS_CLASS_WEIGHT=uniform.weight is not None,
+        HAS_CLASS_WEIGHT=uniform.weight is not None, ENTROPY=entropy is not None,
         SORTED=vocab_order is not None,
         SKIP_DEAD_TILES=live_tiles is not None, LISTED=listed, SLOT_MAP=slot_map is not None,
         SUM_KEPT_MASS=kept_mass is not None,

@@ -151,11 +151,11 @@ def finish_logits(logits, bias_ptr, vocab, vocab_mask, softcap,
 @triton.jit
 def logit_gradient_tile(
     e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_entry_ptr,
-    uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr,
+    uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, entropy_scale_ptr, mean_logit_ptr,
     rows, row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
     stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
-    UNIFORM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
+    UNIFORM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, ENTROPY: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -174,6 +174,10 @@ def logit_gradient_tile(
     softcap derivative, whose rank-one part the products add in closed form. With a softcap the
     tile holds the rest, ``-uniform_scale[i] * class_weight[j] * (tanh^2 - curvature_mean[i])``,
     which sums to 0 over the row: a skipped tile drops only its deviation from the mean.
+
+    ``ENTROPY`` (:class:`cce.weighting.EntropyTerm`): off the target, the entry's softmax factor
+    is ``prob_scale[i] + entropy_scale[i] * (z_ij - mean_logit[i])`` (the target's term is in
+    ``target_entry``).
     """
     # The rows' values are loaded before the tile's products, which hide their latency.
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
@@ -191,7 +195,12 @@ def logit_gradient_tile(
     # their probabilities are 0 (NaN where their logits are, as in PyTorch). A row whose LSE is
     # +inf (an infinite logit) gets NaN probabilities, as torch.softmax gives it.
     row_lse = tl.where(lse == float("inf"), float("nan"), lse)
-    scaled_lse = tl.where(prob_scale != 0.0, row_lse, float("inf")) * LOG2_E
+    has_softmax = prob_scale != 0.0
+    if ENTROPY:
+        entropy_scale = tl.load(entropy_scale_ptr + rows, mask=row_mask, other=0.0)
+        mean_logit = tl.load(mean_logit_ptr + rows, mask=row_mask, other=0.0)
+        has_softmax |= entropy_scale != 0.0
+    scaled_lse = tl.where(has_softmax, row_lse, float("inf")) * LOG2_E
     # exp(z - lse) as exp2(z * log2(e) - lse * log2(e)): one fused multiply-add per entry.
     probs = tl.exp2(logits * LOG2_E - scaled_lse[:, None])
     if holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
@@ -209,7 +218,12 @@ def logit_gradient_tile(
                       & (target_positions < first_position + BLOCK_VOCAB))
                      | (lse - lse != 0.0))
         keep = (tl.max(probs) >= filter_eps) | (tl.max(row_keeps.to(tl.int32)) > 0)
-    grad = tl.where(is_target, target_entry[:, None], probs * prob_scale[:, None])
+    if ENTROPY:
+        softmax_factor = (prob_scale[:, None]
+                          + entropy_scale[:, None] * (logits - mean_logit[:, None]))
+    else:
+        softmax_factor = prob_scale[:, None]
+    grad = tl.where(is_target, target_entry[:, None], probs * softmax_factor)
     if HAS_SOFTCAP:
         capped = logits / softcap  # tanh of the pre-cap logit
         grad = grad * (1.0 - capped * capped)

@@ -3,9 +3,10 @@
 Every implementation (the CCE kernels and the baselines) computes the same thing from the same
 canonical inputs: ``e`` as (N, D), ``c`` as (V, D), ``targets`` as (N,) int64 with -1 at ignored
 positions, and the class weights and label smoothing as a :class:`cce.weighting.LossWeighting`
-(weights in the compute dtype: float32, float64 for float64 inputs). It returns
-F.cross_entropy's per-token loss (``reduction="none"``) and the log-sum-exp as (N,) tensors of
-the compute dtype. Reduction and the reshaping back to ``targets``' shape happen here, once, for
+(weights in the compute dtype: float32, float64 for float64 inputs). It returns a
+:class:`cce.weighting.TokenOutputs`: F.cross_entropy's per-token loss (``reduction="none"``),
+the log-sum-exp and, when the options ask, the entropy, as (N,) tensors of the compute dtype,
+and the int64 argmax. Reduction and the reshaping back to ``targets``' shape happen here, once, for
 all of them.
 """
 
@@ -24,16 +25,16 @@ from cce.chunked_torch import chunked_torch_loss
 from cce.config import KERNEL_DTYPES, kernels_take
 from cce.host_copy import start_host_copy
 from cce.options import IMPLEMENTATION_NAMES, LossOptions
-from cce.weighting import LossWeighting
+from cce.weighting import LossWeighting, TokenOutputs
 from cce.vocab_parallel import (VocabParallelOptions, check_shards, local_tensors,
                                 vocab_parallel_loss)
 
-Implementation = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+Implementation = Callable[..., TokenOutputs]
 
 
 def kernels_or_chunked_torch(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                              bias: Optional[torch.Tensor], weighting: LossWeighting,
-                             options: LossOptions) -> "tuple[torch.Tensor, torch.Tensor]":
+                             options: LossOptions) -> TokenOutputs:
     """impl="cce": the Triton kernels where they run (:func:`cce.config.kernels_take`) and
     take the dtype (16 and 32 bits), else the same loss with exact gradients in chunked PyTorch
     operations, on the inputs' device (deterministic, recomputing once: the filter and kernel
@@ -74,6 +75,8 @@ def linear_cross_entropy(
     vocab_sorting: bool = True,
     filter_correction: bool = True,
     return_lse: bool = False,
+    return_entropy: bool = False,
+    return_argmax: bool = False,
     impl: str = "cce",
     weight: Optional[torch.Tensor] = None,
     label_smoothing: float = 0.0,
@@ -81,7 +84,7 @@ def linear_cross_entropy(
     deterministic: Optional[bool] = None,
     keep_tiles: bool = False,
     vocab_parallel: Optional[VocabParallelOptions] = None,
-) -> Union[torch.Tensor, "tuple[torch.Tensor, torch.Tensor]"]:
+) -> Union[torch.Tensor, "tuple[torch.Tensor, ...]"]:
     """Cross-entropy of the logits ``e @ c.T + bias`` against ``targets``, without building them.
 
     Same result as ``F.cross_entropy(e @ c.T + bias, targets, weight=..., ignore_index=...,
@@ -132,6 +135,14 @@ def linear_cross_entropy(
         return_lse: also return the log-sum-exp of every row, shape of ``targets`` (of the
             logits alone, after ``temperature``: ``weight`` and ``label_smoothing`` do not enter
             it).
+        return_entropy: also return the entropy of every row's softmax, ``sum_v p_v (L - z_v)``
+            (after ``softcap`` and ``temperature``), shape of ``targets``, in the loss's dtype,
+            differentiable (an entropy bonus trains through it; with the kernels' filter its
+            gradient has the loss gradient's accuracy, README). Every row has one, ignored or
+            not.
+        return_argmax: also return the index of every row's largest logit, int64, shape of
+            ``targets`` (the first of equal ones, as ``torch.argmax``; a NaN logit counts as
+            the largest), e.g. for token accuracy.
         impl: "cce" (Triton kernels on CUDA tensors; on CPU tensors too when
             ``TRITON_INTERPRET=1`` runs them in Triton's interpreter, else "cce_torch"),
             "cce_torch" (chunked PyTorch operations on any device, exact gradients: the filter
@@ -176,12 +187,14 @@ def linear_cross_entropy(
             no options needed; ``c.grad`` is then a DTensor placed as ``c``.
 
     Returns:
-        The loss, or ``(loss, lse)`` when ``return_lse`` is True.
+        The loss alone, or a tuple of the loss and, in this order, the lse, the entropy and the
+        argmax for the ``return_*`` flags set.
     """
     options = LossOptions(
         ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=shift,
         filter_eps=filter_eps, vocab_sorting=vocab_sorting, filter_correction=filter_correction,
-        return_lse=return_lse, impl=impl, label_smoothing=label_smoothing,
+        return_lse=return_lse, return_entropy=return_entropy, return_argmax=return_argmax,
+        impl=impl, label_smoothing=label_smoothing,
         deterministic=deterministic, keep_tiles=keep_tiles, vocab_parallel=vocab_parallel,
         temperature=temperature, z_loss=z_loss)
     return _loss(e, c, targets, bias, weight, options)
@@ -217,10 +230,10 @@ def _loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     flat_e = e.reshape(targets.numel(), e.shape[-1])  # not -1: D may be 0
     flat_targets = canonical_targets.reshape(-1)
     if options.vocab_parallel is None:
-        token_loss, lse = IMPLEMENTATIONS[options.impl](flat_e, c, flat_targets, bias, weighting,
-                                                        options)
+        outputs = IMPLEMENTATIONS[options.impl](flat_e, c, flat_targets, bias, weighting, options)
     else:
-        token_loss, lse = vocab_parallel_loss(flat_e, c, flat_targets, bias, options)
+        outputs = vocab_parallel_loss(flat_e, c, flat_targets, bias, options)
+    token_loss, lse = outputs.loss, outputs.lse
     if options.z_loss:
         valid = flat_targets >= 0
         token_weight = weighting.target_weight(flat_targets).to(lse.dtype)
@@ -240,9 +253,10 @@ def _loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
         loss = token_loss.sum()
     else:  # over the targets' summed weights; NaN when every token is ignored, as in PyTorch
         loss = token_loss.sum() / weighting.target_weight_sum(canonical_targets)
-    if options.return_lse:
-        return loss, lse.reshape(targets.shape)
-    return loss
+    extras = [output.reshape(targets.shape) for output, wanted in (
+        (lse, options.return_lse), (outputs.entropy, options.return_entropy),
+        (outputs.argmax, options.return_argmax)) if wanted]
+    return (loss, *extras) if extras else loss
 
 
 class LinearCrossEntropy(nn.Module):

@@ -23,7 +23,11 @@ and D slice instead of one address per row: rows of ``e``, and rows of ``c`` in 
 which with sorting means a copy of ``c`` (:func:`classifier_by_position`).
 
 For label smoothing it also adds up each row's (class-weighted) sum of logits, and with a softcap
-of their squared tanh, merged under the same lock as the LSE (:mod:`cce.weighting`).
+of their squared tanh, merged under the same lock as the LSE (:mod:`cce.weighting`). For the
+entropy it keeps, beside the running sum of exponentials, their running sum weighted by the
+logits (centred on the running maximum), from which each program's entropy follows and merges
+as the LSE does; for the argmax, the running largest
+logit and its index. Each is a constexpr branch: a call that does not ask pays nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ from cce.config import (copy_classifier_min_tokens, deterministic_head_blocks, d
                         forward_vocab_splits, interpreting, kernel_configs, tma_copies_rows)
 from cce.logit_tile import (LOG2_E, finish_logits, holds_padding, logit_tile,
                             tile_product_by_descriptor, vocab_block_entries)
+from cce.weighting import entropy_of_parts, first_largest
+
+ARGMAX_NONE = tl.constexpr(2**31 - 1)  # the index of no candidate yet: any index is smaller
+# The lowest float32: a -inf logit's term in the entropy is 0, and 0 * -inf would be NaN.
+FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 
 @triton.jit
@@ -71,6 +80,41 @@ def lower_bound_of_sum(a, b, DISJOINT: tl.constexpr):
 
 
 @triton.jit
+def part_entropy_term(entropy, lse, merged_lse):
+    """A part's term of the entropy of a union of disjoint parts of a row's entries:
+    ``w (H + L - L_part)``, w = exp(L_part - L) its share of the mass, H its own entropy (0 for
+    a part of no mass). Every term is positive: the sum keeps its relative precision."""
+    weight = tl.exp(lse - exp_shift(merged_lse))
+    return tl.where(weight > 0, weight * (entropy + (merged_lse - lse)), 0.0)
+
+
+@triton.jit
+def argmax_merge(value, index, other_value, other_index):
+    """The (value, index) of the larger of two candidates, as torch.argmax chooses: a NaN is
+    larger than any number, and of equal values (or two NaNs) the smaller index wins."""
+    nan, other_nan = value != value, other_value != other_value
+    takes_other = tl.where(nan | other_nan, other_nan & (~nan | (other_index < index)),
+                           (other_value > value)
+                           | ((other_value == value) & (other_index < index)))
+    return (tl.where(takes_other, other_value, value),
+            tl.where(takes_other, other_index, index))
+
+
+@triton.jit
+def tile_argmax(logits, vocab, vocab_mask):
+    """Each row's (largest logit, its vocabulary index) in a tile, by :func:`argmax_merge`'s
+    order. The indices are compared, not the tile positions: with sorting, the first of equal
+    logits in the order need not be the one of smallest index."""
+    nan = logits != logits
+    key = tl.where(nan, float("inf"), logits)
+    row_key = tl.max(key, axis=1)
+    row_nan = tl.max(nan.to(tl.int32), axis=1) != 0
+    best = tl.where(row_nan[:, None], nan, key == row_key[:, None]) & vocab_mask[None, :]
+    index = tl.min(tl.where(best, vocab[None, :], ARGMAX_NONE), axis=1)
+    return tl.where(row_nan, float("nan"), row_key), index
+
+
+@triton.jit
 def log_probability_bound(row_max, lse_lower, recorded_rows):
     """The bound of a live-grid tile's log-probabilities from its rows' largest logits."""
     return tl.max(tl.where(recorded_rows, row_max - lse_lower, float("-inf")))
@@ -80,13 +124,14 @@ def log_probability_bound(row_max, lse_lower, recorded_rows):
 def lse_forward_kernel(
     e_ptr, c_ptr, e_desc, c_desc, bias_ptr, targets_ptr, target_logit_ptr, vocab_order_ptr,
     left_out_ptr, left_out_tiles_ptr, lse_ptr, locks_ptr, tile_bound_ptr, split_lse_ptr,
-    head_lse_ptr, class_weight_ptr, logit_sum_ptr, curvature_sum_ptr,
-    num_tokens, vocab_size, dim, first_launch_block, last_launch_block, vocab_blocks_per_program,
+    head_lse_ptr, class_weight_ptr, logit_sum_ptr, curvature_sum_ptr, entropy_ptr,
+    argmax_value_ptr, argmax_index_ptr, num_tokens, vocab_size, dim, first_launch_block, last_launch_block, vocab_blocks_per_program,
     first_split, num_splits, stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
     RECORD_TILE_BOUND: tl.constexpr, LOGIT_SUM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     CURVATURE_SUM: tl.constexpr, LIVE_BLOCK_VOCAB: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    BY_DESCRIPTOR: tl.constexpr, LEAVES_OUT: tl.constexpr,
+    BY_DESCRIPTOR: tl.constexpr, LEAVES_OUT: tl.constexpr, ENTROPY: tl.constexpr,
+    ARGMAX: tl.constexpr, ENTROPY_PLANE: tl.constexpr, ARGMAX_PLANE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -123,6 +168,11 @@ def lse_forward_kernel(
     running_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
     curvature_sum = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
+    # sum_j exp(z_j - max) (z_j - max), centred on the running maximum: the entropy of the
+    # program's entries is log(sum) - moment / sum, two positive numbers (no cancellation).
+    logit_moment = tl.zeros((BLOCK_TOKENS,), dtype=tl.float32)
+    best_value = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
+    best_index = tl.full((BLOCK_TOKENS,), ARGMAX_NONE, dtype=tl.int32)
     # Flattened over descriptor tiles, Triton pipelines the next tile's loads across the loop's
     # end (docs/notes/forward.md): the body then may hold no runtime branch.
     for vocab_block in tl.range(first_vocab_block, last_vocab_block, flatten=BY_DESCRIPTOR):
@@ -160,6 +210,10 @@ def lse_forward_kernel(
             logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
         elif holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
             logits = tl.where(vocab_mask[None, :], logits, float("-inf"))
+        if ARGMAX:  # before the target is left out: it may be the largest
+            tile_value, tile_index = tile_argmax(logits, vocab, vocab_mask)
+            best_value, best_index = argmax_merge(best_value, best_index, tile_value,
+                                                  tile_index)
         if LEAVES_OUT:
             # So do the left-out entries, in the few tiles that hold one (a tile's flag is loaded
             # one tile ahead). A select on every tile instead costs up to 5% more forward time
@@ -187,8 +241,15 @@ def lse_forward_kernel(
         # exp(z - m) as exp2(z * log2(e) - m * log2(e)): one fused multiply-add per entry
         # (exp costs more: 12% of the kernel at D = 640 on an H200, docs/notes/forward.md).
         scaled_max = safe_max * LOG2_E
-        running_sum = (running_sum * tl.exp2(running_max * LOG2_E - scaled_max)
-                       + tl.sum(tl.exp2(logits * LOG2_E - scaled_max[:, None]), axis=1))
+        rescale = tl.exp2(running_max * LOG2_E - scaled_max)
+        probs = tl.exp2(logits * LOG2_E - scaled_max[:, None])
+        if ENTROPY:
+            # Re-centred from the old maximum to the new one: (z - m) = (z - m') + (m' - m).
+            centred = tl.maximum(logits - safe_max[:, None], FLOAT32_LOWEST)
+            moved = tl.where(running_sum > 0, exp_shift(running_max) - safe_max, 0.0)
+            logit_moment = ((logit_moment + moved * running_sum) * rescale
+                            + tl.sum(probs * centred, axis=1))
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
         running_max = new_max
         if RECORD_TILE_BOUND:
             # A lower bound of the final LSE: what was known before the loop, this program's
@@ -212,6 +273,9 @@ def lse_forward_kernel(
                          mask=vocab_block * 2 + 1 < num_live_vocab_blocks)
     safe_max = exp_shift(running_max)
     program_lse = safe_max + tl.log(running_sum)
+    # 0 for a row of no entries (all -inf): it weighs nothing in a merge.
+    program_entropy = tl.where(running_sum > 0,
+                               tl.log(running_sum) - logit_moment / running_sum, 0.0)
     if CURVATURE_SUM:
         curvature_sum = curvature_sum / (softcap * softcap)
 
@@ -225,22 +289,47 @@ def lse_forward_kernel(
             if CURVATURE_SUM:
                 tl.store(split_lse_ptr + (2 * num_splits + split) * num_tokens + rows,
                          curvature_sum, mask=row_mask)
+        if ENTROPY:
+            tl.store(split_lse_ptr + (ENTROPY_PLANE * num_splits + split) * num_tokens + rows,
+                     program_entropy, mask=row_mask)
+        if ARGMAX:  # the index's bits in a float32 plane
+            argmax_plane = split_lse_ptr + (ARGMAX_PLANE * num_splits + split) * num_tokens
+            tl.store(argmax_plane + rows, best_value, mask=row_mask)
+            tl.store(argmax_plane + num_splits * num_tokens + rows,
+                     best_index.to(tl.float32, bitcast=True), mask=row_mask)
     else:
         _merge_under_lock(locks_ptr + token_block, lse_ptr, logit_sum_ptr, curvature_sum_ptr,
-                          rows, row_mask, program_lse, logit_sum, curvature_sum, LOGIT_SUM,
-                          CURVATURE_SUM)
+                          entropy_ptr, argmax_value_ptr, argmax_index_ptr, rows, row_mask,
+                          program_lse, logit_sum, curvature_sum, program_entropy, best_value,
+                          best_index, LOGIT_SUM, CURVATURE_SUM, ENTROPY, ARGMAX)
 
 
 @triton.jit
-def _merge_under_lock(lock, lse_ptr, logit_sum_ptr, curvature_sum_ptr, rows, row_mask,
-                      program_lse, logit_sum, curvature_sum, LOGIT_SUM: tl.constexpr,
-                      CURVATURE_SUM: tl.constexpr):
-    """Adds a program's partial LSE (and sums) into the token block's, under its spin lock."""
+def _merge_under_lock(lock, lse_ptr, logit_sum_ptr, curvature_sum_ptr, entropy_ptr,
+                      argmax_value_ptr, argmax_index_ptr, rows, row_mask, program_lse,
+                      logit_sum, curvature_sum, program_entropy, best_value, best_index,
+                      LOGIT_SUM: tl.constexpr, CURVATURE_SUM: tl.constexpr,
+                      ENTROPY: tl.constexpr, ARGMAX: tl.constexpr):
+    """Adds a program's partial LSE (and sums, entropy, argmax) into the token block's,
+    under its spin lock."""
     while tl.atomic_cas(lock, 0, 1) == 1:
         pass
     # .cg: read the merged value from L2, never a stale L1 line of another program's update.
     current = tl.load(lse_ptr + rows, mask=row_mask, cache_modifier=".cg")
-    tl.store(lse_ptr + rows, log_add_exp(current, program_lse), mask=row_mask)
+    merged = log_add_exp(current, program_lse)
+    tl.store(lse_ptr + rows, merged, mask=row_mask)
+    if ENTROPY:
+        current_entropy = tl.load(entropy_ptr + rows, mask=row_mask, cache_modifier=".cg")
+        tl.store(entropy_ptr + rows,
+                 part_entropy_term(current_entropy, current, merged)
+                 + part_entropy_term(program_entropy, program_lse, merged), mask=row_mask)
+    if ARGMAX:
+        value, index = argmax_merge(
+            tl.load(argmax_value_ptr + rows, mask=row_mask, cache_modifier=".cg"),
+            tl.load(argmax_index_ptr + rows, mask=row_mask, cache_modifier=".cg"),
+            best_value, best_index)
+        tl.store(argmax_value_ptr + rows, value, mask=row_mask)
+        tl.store(argmax_index_ptr + rows, index, mask=row_mask)
     if LOGIT_SUM:
         merged_sum = tl.load(logit_sum_ptr + rows, mask=row_mask, cache_modifier=".cg")
         tl.store(logit_sum_ptr + rows, merged_sum + logit_sum, mask=row_mask)
@@ -325,7 +414,10 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 left_out: Optional[torch.Tensor] = None,
                 logit_sum: Optional[torch.Tensor] = None,
                 curvature_sum: Optional[torch.Tensor] = None,
-                class_weight: Optional[torch.Tensor] = None, deterministic: bool = False,
+                class_weight: Optional[torch.Tensor] = None,
+                entropy: Optional[torch.Tensor] = None,
+                argmax: Optional[torch.Tensor] = None,
+                argmax_value: Optional[torch.Tensor] = None, deterministic: bool = False,
                 may_copy_classifier: bool = False,
                 ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
     """float32 (N,) log-sum-exp of every row and, when ``target_logit`` (float32 (N,), from
@@ -343,6 +435,12 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     every row (``class_weight``: float32 (V,), None for all 1), for label smoothing
     (:mod:`cce.weighting`); ``curvature_sum`` likewise (with ``logit_sum`` and a softcap)
     ``sum_v class_weight[v] tanh^2`` of the capped logits.
+
+    ``entropy``: float32 (N,) zeros, when given, receives the entropy of the softmax of the
+    logits that the LSE adds up, ``sum_j exp(z_j - L) (L - z_j)`` (:mod:`cce.weighting`);
+    ``argmax``: int64 (N,), when given, receives the
+    index of every row's largest logit, the left-out one included (:func:`argmax_merge`), and
+    ``argmax_value`` (float32 (N,), optional), that logit.
 
     ``deterministic``: the spin-lock merge's order varies between calls, and with it the LSE's
     last bits; instead, the returned LSE merges every program's partial LSE in a fixed order
@@ -375,8 +473,20 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         lse = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=e.device)
         locks = torch.zeros(num_token_blocks, dtype=torch.int32, device=e.device)
     sums = [total for total in (logit_sum, curvature_sum) if total is not None]
-    split_lse = (torch.empty((1 + len(sums), num_splits, num_tokens), dtype=torch.float32,
+    # Deterministic mode's planes of partials: the LSE, the sums, the entropy, the argmax's
+    # values and indices.
+    entropy_plane = 1 + len(sums)
+    argmax_plane = entropy_plane + (entropy is not None)
+    num_planes = argmax_plane + 2 * (argmax is not None)
+    split_lse = (torch.empty((num_planes, num_splits, num_tokens), dtype=torch.float32,
                              device=e.device) if deterministic else None)
+    argmax_index = None
+    if argmax is not None and not deterministic:
+        if argmax_value is None:
+            argmax_value = torch.empty((num_tokens,), dtype=torch.float32, device=e.device)
+        argmax_value.fill_(float("-inf"))
+        argmax_index = torch.full((num_tokens,), ARGMAX_NONE.value, dtype=torch.int32,
+                                  device=e.device)
     tile_bound = (torch.empty((num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab)),
                               dtype=torch.float32, device=e.device) if record else None)
     e_desc = c_desc = None
@@ -395,7 +505,8 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         lse_forward_kernel[(num_token_blocks * launch.splits,)](
             e, c, e_desc, c_desc, bias, targets, target_logit, vocab_order, left_out,
             left_out_tiles, lse, locks,
-            tile_bound, split_lse, head_lse, class_weight, logit_sum, curvature_sum, num_tokens,
+            tile_bound, split_lse, head_lse, class_weight, logit_sum, curvature_sum, entropy,
+            argmax_value, argmax_index, num_tokens,
             vocab_size, dim, launch.first_block, launch.last_block, launch.blocks_per_program,
             first_split, num_splits,
             e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
@@ -404,7 +515,8 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             LOGIT_SUM=logit_sum is not None, HAS_CLASS_WEIGHT=class_weight is not None,
             CURVATURE_SUM=curvature_sum is not None, LIVE_BLOCK_VOCAB=live_grid.block_vocab,
             DETERMINISTIC=deterministic, BY_DESCRIPTOR=c_by_position is not None,
-            LEAVES_OUT=left_out is not None,
+            LEAVES_OUT=left_out is not None, ENTROPY=entropy is not None,
+            ARGMAX=argmax is not None, ENTROPY_PLANE=entropy_plane, ARGMAX_PLANE=argmax_plane,
             BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
             BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
@@ -414,4 +526,14 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         lse = torch.logsumexp(split_lse[0], dim=0)
         for index, total in enumerate(sums, 1):
             total += split_lse[index].sum(dim=0)
+        if entropy is not None:
+            entropy += entropy_of_parts(split_lse[entropy_plane], split_lse[0], lse)
+        if argmax is not None:
+            value, index = first_largest(split_lse[argmax_plane],
+                                         split_lse[argmax_plane + 1].view(torch.int32))
+            argmax.copy_(index)
+            if argmax_value is not None:
+                argmax_value.copy_(value)
+    elif argmax is not None:
+        argmax.copy_(argmax_index)
     return lse, tile_bound

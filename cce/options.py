@@ -41,6 +41,8 @@ class LossOptions:
     vocab_sorting: bool = True
     filter_correction: bool = True
     return_lse: bool = False
+    return_entropy: bool = False
+    return_argmax: bool = False
     impl: str = "cce"
     label_smoothing: float = 0.0
     z_loss: float = 0.0
@@ -99,7 +101,8 @@ def _check(options: LossOptions) -> None:
     if filter_eps not in ("auto", None) and not (_is_number(filter_eps) and 0 < filter_eps < 1):
         raise ValueError(f"filter_eps must be 'auto', None or a float in (0, 1), got "
                          f"{filter_eps!r}")
-    for name in ("vocab_sorting", "filter_correction", "return_lse", "keep_tiles"):
+    for name in ("vocab_sorting", "filter_correction", "return_lse", "return_entropy",
+                 "return_argmax", "keep_tiles"):
         if not isinstance(getattr(options, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(options, name)!r}")
     if options.deterministic is not None and not isinstance(options.deterministic, bool):

@@ -9,7 +9,8 @@ log-sum-exp and its target's logit, so the ranks exchange per-token values, neve
   all-reduce SUM gives the target logits, an all-reduce MAX and a SUM of ``exp(local - max)``
   the log-sum-exp of every row's non-target logits, and with the target logit its LSE
   (:mod:`cce.weighting`). Every rank then
-  has the loss (and lse) of the unsharded call, the same on every rank. The target logits are
+  has the loss (and lse) of the unsharded call, the same on every rank. The entropy merges the
+  shards' as the LSE does (one more SUM), the argmax by value, then by index (a MAX and a MIN). The target logits are
   summed first: they are a lower bound of the whole vocabulary's log-sum-exp, which the shard's
   forward uses for its tile bounds.
 - backward: each rank runs the single-GPU backward on its shard with the global log-sum-exp (its
@@ -36,8 +37,9 @@ import torch.distributed as dist
 from cce.baselines import materialized_logits
 from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
 from cce.config import check_interpreter_usable, kernels_take
-from cce.weighting import (GradientScales, lse_and_cross_entropy, target_complement,
-                           target_entry)
+from cce.weighting import (EntropyTerm, GradientScales, TokenOutputs,
+                           entropy_and_gradient_terms, entropy_of_parts, lse_and_cross_entropy,
+                           target_complement, target_entry)
 
 if TYPE_CHECKING:
     from cce.options import LossOptions
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
 # The implementations that run vocabulary-parallel: the kernels, and materialized local logits
 # (a reference whose backward is autograd's).
 VOCAB_PARALLEL_IMPLS = ("cce", "torch")
+_NO_INDEX = torch.iinfo(torch.int64).max  # a shard's argmax where it holds no rows
 
 
 @dataclass(frozen=True)
@@ -214,13 +217,15 @@ def vocab_parallel_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     # kernels are 16/32-bit), impl "cce" takes the materialized shard's path, as one GPU's
     # takes the chunked PyTorch path.
     if options.impl == "torch" or not kernels_take(e):
-        return _materialized_loss(e, c, targets, local_targets, bias, options.softcap, group)
+        return _materialized_loss(e, c, targets, local_targets, bias, options, group)
     check_interpreter_usable()
     if bias is not None:
         bias = bias.contiguous()  # the kernels index it with unit stride
     needs_grad = needs_gradient(e, c, bias)
-    return VocabParallelFunction.apply(e, c, bias, targets.contiguous(),
-                                       local_targets.contiguous(), options, needs_grad)
+    loss, lse, entropy, argmax = VocabParallelFunction.apply(
+        e, c, bias, targets.contiguous(), local_targets.contiguous(), options, needs_grad)
+    return TokenOutputs(loss, lse, entropy if options.return_entropy else None,
+                        argmax if options.return_argmax else None)
 
 
 class VocabParallelFunction(torch.autograd.Function):
@@ -239,6 +244,7 @@ class VocabParallelFunction(torch.autograd.Function):
 
         group, softcap, filter_eps = (options.vocab_parallel.group, options.softcap,
                                       options.filter_eps)
+        start = options.vocab_parallel.start
         holds_rows = c.shape[0] > 0  # a rank may hold none: it adds nothing to the sums
         records_bounds = needs_grad and filter_eps is not None and holds_rows
         # The order and the bounds are over the rows with a loss, wherever their target is:
@@ -253,41 +259,63 @@ class VocabParallelFunction(torch.autograd.Function):
             target_logit = torch.zeros(e.shape[0], dtype=torch.float32, device=e.device)
         dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
         # The LSE of the shard's logits off the target (cce.weighting): the sum over the
-        # shards is the row's other logits' LSE.
+        # shards is the row's other logits' LSE. A shard of no rows has an LSE of -inf, an
+        # entropy of 0 and no argmax.
+        local_entropy = (torch.zeros_like(target_logit) if options.return_entropy else None)
+        local_argmax = local_max = None
+        if options.return_argmax:
+            local_argmax = torch.full_like(target_logit, _NO_INDEX, dtype=torch.int64)
+            local_max = torch.full_like(target_logit, float("-inf"))
         local_other_lse, tile_bound = (
             lse_forward(e, c, bias, softcap, targets, order,
-                        target_logit if records_bounds else None, left_out=positions)
+                        target_logit if records_bounds else None, left_out=positions,
+                        entropy=local_entropy, argmax=local_argmax, argmax_value=local_max)
             if holds_rows else (torch.full_like(target_logit, float("-inf")), None))
         other_lse = _global_lse(local_other_lse, group)
         lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
         loss = torch.where(targets >= 0, cross_entropy, 0.0)
+        complement = target_complement(other_lse, lse)
+        entropy = entropy_terms = argmax = None
+        if options.return_entropy:
+            other_entropy = _global_entropy(local_entropy, local_other_lse, other_lse, group)
+            entropy, mean, target_term = entropy_and_gradient_terms(
+                other_entropy, other_lse, target_logit, lse, cross_entropy, complement, targets)
+            entropy_terms = torch.stack([mean, target_term])
+        if options.return_argmax:
+            argmax = _global_argmax(local_max, _global_index(local_argmax, start), group)
+            ctx.mark_non_differentiable(argmax)
         mass_correction = uses_mass_correction(options.filter_correction, filter_eps, softcap)
         # The mass that the shard's tiles add up, which the mass correction starts from.
         counted_mass = (torch.exp(local_other_lse - lse) if mass_correction and needs_grad
                         else None)
-        ctx.save_for_backward(e, c, bias, targets, positions, lse,
-                              target_complement(other_lse, lse), order, tile_bound,
-                              counted_mass, row_sum)
+        ctx.save_for_backward(e, c, bias, targets, positions, lse, complement, order, tile_bound,
+                              counted_mass, row_sum, entropy_terms)
         ctx.group = group
         ctx.softcap = softcap
         ctx.filter_eps = filter_eps
         ctx.mass_correction = mass_correction
-        return loss, lse
+        return loss, lse, entropy, argmax
 
     @staticmethod
-    def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
+    def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
+                 grad_entropy: Optional[torch.Tensor], _grad_argmax):
         from cce.backward import (BackwardRequest, CorrectionInputs,
                                   linear_cross_entropy_backward)
         from cce.gradient_tiles import RecomputeInputs
         from cce.cce_function import recompute_table
 
         (e, c, bias, targets, positions, lse, complement, order, tile_bound, counted_mass,
-         row_sum) = ctx.saved_tensors
+         row_sum, entropy_terms) = ctx.saved_tensors
         # The softmax part of the gradient is every row's with a loss or an lse gradient; the
         # target part only the shard's targets' (positions -1 elsewhere).
         target_scale = (torch.where(targets >= 0, grad_loss.float(), 0.0)
                         if grad_loss is not None else torch.zeros_like(lse))
         prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
+        entropy = None
+        softmax_rows = prob_scale  # rows with a softmax term: for the live table, only != 0
+        if grad_entropy is not None:
+            entropy = EntropyTerm(-grad_entropy.float(), entropy_terms[0])
+            softmax_rows = prob_scale.abs() + entropy.scale.abs()
         needs_grad_e = ctx.needs_input_grad[0]
         needs_grad_c = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         if c.shape[0] == 0:
@@ -301,12 +329,14 @@ class VocabParallelFunction(torch.autograd.Function):
                 # live_tiles keeps the whole token block of a row with no target position and
                 # a softmax gradient, taking it for an ignored row that the bounds leave out.
                 # Rows whose target is another shard's are in the bounds: a zero scale says so.
-                covered = torch.where((targets >= 0) & (positions < 0), 0.0, prob_scale)
+                covered = torch.where((targets >= 0) & (positions < 0), 0.0, softmax_rows)
                 live = recompute_table(tile_bound, lse, covered, positions, e.dtype,
                                        ctx.filter_eps)
             entry = target_entry(GradientScales(prob_scale, target_scale, None), complement)
+            if entropy is not None:  # read only where the target is the shard's
+                entry = entry + entropy.scale * entropy_terms[1]
             recompute = RecomputeInputs(e, c, positions, bias, ctx.softcap, lse, prob_scale,
-                                        entry, order, ctx.filter_eps, None)
+                                        entry, order, ctx.filter_eps, None, entropy)
             correction = (CorrectionInputs(counted_mass, row_sum) if ctx.mass_correction
                           else None)
             grad_e, grad_c, grad_bias = linear_cross_entropy_backward(recompute, BackwardRequest(
@@ -316,17 +346,17 @@ class VocabParallelFunction(torch.autograd.Function):
             dist.all_reduce(grad_e, op=dist.ReduceOp.SUM, group=ctx.group)
             grad_e = grad_e.to(e.dtype)
         return differentiable_once([grad_e, grad_c, grad_bias],
-                                   (e, c, bias, grad_loss, grad_lse)) + (None,) * 4
+                                   (e, c, bias, grad_loss, grad_lse, grad_entropy)) + (None,) * 4
 
 
 def _materialized_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                        local_targets: torch.Tensor, bias: Optional[torch.Tensor],
-                       softcap: Optional[float], group: Optional[dist.ProcessGroup]
-                       ) -> "tuple[torch.Tensor, torch.Tensor]":
+                       options: "LossOptions", group: Optional[dist.ProcessGroup]
+                       ) -> TokenOutputs:
     """impl="torch": the shard's logits materialized, and autograd for the backward. As in the
     kernels, the shards' LSEs are of the logits off the target (cce.weighting), so that autograd
     differentiates ``1 - p_target`` to its own precision."""
-    logits = materialized_logits(_SumGradientOverRanks.apply(e, group), c, bias, softcap)
+    logits = materialized_logits(_SumGradientOverRanks.apply(e, group), c, bias, options.softcap)
     in_shard = local_targets >= 0
     index = local_targets.clamp(min=0)[:, None]
     if c.shape[0]:
@@ -338,7 +368,77 @@ def _materialized_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     other_lse, target_logit = _CombineShards.apply(local_other_lse,
                                                    torch.where(in_shard, gathered, 0.0), group)
     lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
-    return torch.where(targets >= 0, cross_entropy, 0.0), lse
+    entropy = argmax = None
+    if options.return_entropy:
+        # log(sum_v exp z_v) - sum_v exp(z_v) z_v / sum_v exp(z_v), from sums over the shards
+        # shifted by the largest logit (a constant: the sums alone carry the gradient; -inf
+        # logits, whose exponential is 0, add 0).
+        with torch.no_grad():
+            shift = logits.amax(dim=-1) if c.shape[0] else torch.full_like(lse, float("-inf"))
+            dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
+            shift = torch.where(shift.abs() == float("inf"), 0.0, shift)
+        exponentials = torch.exp(logits - shift[:, None])
+        finite_low = logits.clamp(min=torch.finfo(logits.dtype).min)
+        total, moment = _SumOverRanks.apply(
+            torch.stack([exponentials.sum(dim=-1), (exponentials * finite_low).sum(dim=-1)]),
+            group)
+        entropy = shift + torch.log(total) - moment / total
+    if options.return_argmax:
+        with torch.no_grad():
+            local_max, local_argmax = (logits.max(dim=-1) if c.shape[0] else
+                                       (torch.full_like(lse, float("-inf")),
+                                        torch.full_like(targets, _NO_INDEX)))
+            argmax = _global_argmax(local_max.float(),
+                                    _global_index(local_argmax, options.vocab_parallel.start),
+                                    group)
+    return TokenOutputs(torch.where(targets >= 0, cross_entropy, 0.0), lse, entropy, argmax)
+
+
+def _global_index(local_index: torch.Tensor, start: int) -> torch.Tensor:
+    """A shard's row indices as vocabulary ids (none stays none)."""
+    return torch.where(local_index == _NO_INDEX, _NO_INDEX, local_index + start)
+
+
+def _global_argmax(local_max: torch.Tensor, index: torch.Tensor,
+                   group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """The whole vocabulary's argmax from every shard's (largest logit, its vocabulary id), as
+    torch.argmax chooses (:func:`cce.weighting.first_largest`): a NaN first, then the largest
+    value, then the smallest id."""
+    nan = local_max.isnan()
+    key = local_max.masked_fill(nan, float("inf"))
+    any_nan = nan.to(torch.int32)
+    dist.all_reduce(any_nan, op=dist.ReduceOp.MAX, group=group)
+    largest = key.clone()
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    best = torch.where(any_nan.bool(), nan, key == largest)
+    argmax = torch.where(best, index, _NO_INDEX)
+    dist.all_reduce(argmax, op=dist.ReduceOp.MIN, group=group)
+    return argmax
+
+
+def _global_entropy(local_entropy: torch.Tensor, local_lse: torch.Tensor, lse: torch.Tensor,
+                    group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """The entropy of the softmax of the logits the shards' LSEs add up (``lse``: of all of
+    them) from each shard's (:func:`cce.weighting.entropy_of_parts`): one SUM of positive
+    terms."""
+    total = entropy_of_parts(local_entropy[None], local_lse[None], lse)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The sum over the ranks of a tensor from which every rank computes the same loss: each
+    rank's part gets that loss's gradient as it is."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        total = tensor.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 class _SumGradientOverRanks(torch.autograd.Function):

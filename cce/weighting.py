@@ -43,12 +43,33 @@ from typing import NamedTuple, Optional
 import torch
 
 
+class TokenOutputs(NamedTuple):
+    """What every implementation returns (:mod:`cce.loss`): compute-dtype (N,) tensors, the
+    entropy (of each row's softmax) and int64 argmax (of each row's logits) None unless the
+    options ask for them."""
+
+    loss: torch.Tensor
+    lse: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
+    argmax: Optional[torch.Tensor] = None
+
+
 class GradientScales(NamedTuple):
     """Per-token float32 (N,) factors of the gradient of the logits (module docstring)."""
 
     softmax: torch.Tensor  # of p_iv; the LSE's own upstream gradient is not included
     target: torch.Tensor  # of [v = y_i]
     uniform: Optional[torch.Tensor]  # u_i, of w_v; None without label smoothing
+
+
+class EntropyTerm(NamedTuple):
+    """The entropy's part of the logits' gradient, ``scale[i] * p_iv * (z_iv - mean_logit[i])``
+    (scale = minus the entropy's upstream gradient; :func:`entropy_and_gradient_terms`), off
+    the target: ``scale * p_y (z_y - mu)`` is added to the row's target entry, from
+    :func:`entropy_and_gradient_terms`, where it does not cancel."""
+
+    scale: torch.Tensor  # float32 (N,)
+    mean_logit: torch.Tensor  # float32 (N,)
 
 
 class RankOneTerm(NamedTuple):
@@ -152,9 +173,65 @@ def target_complement(other_lse: torch.Tensor, lse: torch.Tensor) -> torch.Tenso
     return torch.where(lse == float("inf"), float("nan"), torch.exp(other_lse - lse))
 
 
+def entropy_and_gradient_terms(other_entropy: torch.Tensor, other_lse: torch.Tensor,
+                               target_logit: torch.Tensor, lse: torch.Tensor,
+                               cross_entropy: torch.Tensor, complement: torch.Tensor,
+                               targets: torch.Tensor
+                               ) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+    """Each row's softmax entropy ``H = sum_v p_v (L - z_v)``, its mean logit ``mu = L - H``
+    and the entropy's gradient at its target, ``p_y (z_y - mu)`` (0 without a target), float32
+    (N,), from the entropy ``H_o`` and LSE ``O`` of its non-target logits (of all of them where
+    ``targets`` is -1), its target's logit, its LSE, plain cross-entropy ``L - z_y`` and
+    ``1 - p_y`` (``complement``, q):
+
+        H = p_y (L - z_y) + q (softplus(z_y - O) + H_o),   z_y - mu = q (z_y - O + H_o).
+
+    Every term of H is positive, so H keeps its relative precision where the model is sure
+    (``L - sum_v p_v z_v`` would cancel to the LSE's last bits), and p_y is ``exp(-(L - z_y))``,
+    precise where it is small too (``1 - q`` is 0 where p_y is below L's last bit). The
+    entropy's gradient with respect to ``z_v`` is ``-p_v (z_v - mu)``."""
+    has_target = targets >= 0
+    gap = target_logit - other_lse
+    target_probability = torch.exp(-cross_entropy)
+    # A part of no mass adds 0, also where its factor is infinite (a target of the only logit,
+    # or of a -inf logit): == 0 rather than > 0, so that NaN still propagates.
+    target_part = torch.where(target_probability == 0, 0.0, target_probability * cross_entropy)
+    other_part = torch.where(complement == 0, 0.0,
+                             complement * (torch.nn.functional.softplus(gap, threshold=40)
+                                           + other_entropy))
+    entropy = torch.where(has_target, target_part + other_part, other_entropy)
+    target_term = torch.where(has_target & (target_probability != 0) & (complement != 0),
+                              target_probability * complement * (gap + other_entropy), 0.0)
+    return entropy, lse - entropy, target_term
+
+
 def target_entry(scales: GradientScales, complement: torch.Tensor) -> torch.Tensor:
     """Each row's gradient of the logits at its target, ``softmax * p_y - target``, written as
     ``(softmax - target) - softmax (1 - p_y)`` (``scales``: :meth:`LossWeighting.gradient_scales`
     with the LSE's upstream gradient in ``softmax``; ``complement``:
     :func:`target_complement`): exact where p_y is near 1."""
     return (scales.softmax - scales.target) - scales.softmax * complement
+
+
+def first_largest(values: torch.Tensor, indices: torch.Tensor
+                  ) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Of candidates ``(values[k, i], indices[k, i])`` for the argmax of row i (partials over
+    parts of its vocabulary), the (value, index) torch.argmax chooses: a NaN before any number,
+    and of equal values (or NaNs) the smallest index."""
+    nan = values.isnan()
+    key = values.masked_fill(nan, float("inf"))
+    largest = key.max(dim=0).values
+    any_nan = nan.any(dim=0)
+    best = torch.where(any_nan, nan, key == largest)
+    return (largest.masked_fill(any_nan, float("nan")),
+            torch.where(best, indices, torch.iinfo(indices.dtype).max).min(dim=0).values)
+
+
+def entropy_of_parts(entropies: torch.Tensor, lses: torch.Tensor,
+                     lse: torch.Tensor) -> torch.Tensor:
+    """A row's softmax entropy from those of disjoint parts of its entries (``entropies[k, i]``,
+    each of its part's softmax, of LSE ``lses[k, i]``; ``lse``: of their union):
+    ``sum_k w_k (H_k + L - L_k)``, w_k = exp(L_k - L) the part's share of the mass. Every term
+    is positive (0 for a part of no mass)."""
+    weights = torch.exp(lses - torch.where(lse.abs() == float("inf"), 0.0, lse))
+    return torch.where(weights > 0, weights * (entropies + (lse - lses)), 0.0).sum(dim=0)
