@@ -27,7 +27,7 @@ from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
 from cce.live_tiles import live_tiles
 from cce.vocab_order import sort_vocabulary, target_positions
 from cce.weighting import (EntropyTerm, LossWeighting, RankOneTerm, TokenOutputs,
-                           entropy_and_gradient_terms, lse_and_cross_entropy,
+                           argmax_or_none, entropy_and_gradient_terms, lse_and_cross_entropy,
                            target_complement, target_entry)
 
 if TYPE_CHECKING:
@@ -89,6 +89,8 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
         row_entropy, mean, target_term = entropy_and_gradient_terms(
             other_entropy, other_lse, target_logit, lse, cross_entropy, complement, targets)
         entropy_terms = torch.stack([mean, target_term])
+    if argmax:
+        row_argmax = argmax_or_none(row_argmax, lse)
     return ForwardResults(order, positions, lse, cross_entropy, complement, tile_bound, row_sum,
                           row_entropy, entropy_terms, row_argmax)
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from cce.baselines import materialized_logits
 from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
 from cce.config import check_interpreter_usable, kernels_take
-from cce.weighting import (EntropyTerm, GradientScales, TokenOutputs,
+from cce.weighting import (EntropyTerm, GradientScales, TokenOutputs, argmax_or_none,
                            entropy_and_gradient_terms, entropy_of_parts, lse_and_cross_entropy,
                            target_complement, target_entry)
 
@@ -282,7 +282,8 @@ class VocabParallelFunction(torch.autograd.Function):
                 other_entropy, other_lse, target_logit, lse, cross_entropy, complement, targets)
             entropy_terms = torch.stack([mean, target_term])
         if options.return_argmax:
-            argmax = _global_argmax(local_max, _global_index(local_argmax, start), group)
+            argmax = argmax_or_none(
+                _global_argmax(local_max, _global_index(local_argmax, start), group), lse)
             ctx.mark_non_differentiable(argmax)
         mass_correction = uses_mass_correction(options.filter_correction, filter_eps, softcap)
         # The mass that the shard's tiles add up, which the mass correction starts from.
@@ -388,9 +389,9 @@ def _materialized_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
             local_max, local_argmax = (logits.max(dim=-1) if c.shape[0] else
                                        (torch.full_like(lse, float("-inf")),
                                         torch.full_like(targets, _NO_INDEX)))
-            argmax = _global_argmax(local_max.float(),
-                                    _global_index(local_argmax, options.vocab_parallel.start),
-                                    group)
+            argmax = argmax_or_none(_global_argmax(
+                local_max.float(), _global_index(local_argmax, options.vocab_parallel.start),
+                group), lse)
     return TokenOutputs(torch.where(targets >= 0, cross_entropy, 0.0), lse, entropy, argmax)
 
 
@@ -401,17 +402,12 @@ def _global_index(local_index: torch.Tensor, start: int) -> torch.Tensor:
 
 def _global_argmax(local_max: torch.Tensor, index: torch.Tensor,
                    group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """The whole vocabulary's argmax from every shard's (largest logit, its vocabulary id), as
-    torch.argmax chooses (:func:`cce.weighting.first_largest`): a NaN first, then the largest
-    value, then the smallest id."""
-    nan = local_max.isnan()
-    key = local_max.masked_fill(nan, float("inf"))
-    any_nan = nan.to(torch.int32)
-    dist.all_reduce(any_nan, op=dist.ReduceOp.MAX, group=group)
-    largest = key.clone()
+    """The whole vocabulary's argmax from every shard's (largest logit, its vocabulary id): the
+    largest value, then the smallest id (:func:`cce.weighting.first_largest`; rows with a NaN
+    are the caller's)."""
+    largest = local_max.clone()
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-    best = torch.where(any_nan.bool(), nan, key == largest)
-    argmax = torch.where(best, index, _NO_INDEX)
+    argmax = torch.where(local_max == largest, index, _NO_INDEX)
     dist.all_reduce(argmax, op=dist.ReduceOp.MIN, group=group)
     return argmax
 

@@ -216,15 +216,16 @@ def target_entry(scales: GradientScales, complement: torch.Tensor) -> torch.Tens
 def first_largest(values: torch.Tensor, indices: torch.Tensor
                   ) -> "tuple[torch.Tensor, torch.Tensor]":
     """Of candidates ``(values[k, i], indices[k, i])`` for the argmax of row i (partials over
-    parts of its vocabulary), the (value, index) torch.argmax chooses: a NaN before any number,
-    and of equal values (or NaNs) the smallest index."""
-    nan = values.isnan()
-    key = values.masked_fill(nan, float("inf"))
-    largest = key.max(dim=0).values
-    any_nan = nan.any(dim=0)
-    best = torch.where(any_nan, nan, key == largest)
-    return (largest.masked_fill(any_nan, float("nan")),
-            torch.where(best, indices, torch.iinfo(indices.dtype).max).min(dim=0).values)
+    parts of its vocabulary), the largest value and, of equal ones, the smallest index."""
+    largest = values.max(dim=0).values
+    return largest, torch.where(values == largest, indices,
+                                torch.iinfo(indices.dtype).max).min(dim=0).values
+
+
+def argmax_or_none(argmax: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """-1 for the rows whose LSE is NaN: their logits hold a NaN, whose index the kernels do not
+    look for (torch.argmax would give it)."""
+    return torch.where(lse.isnan(), -1, argmax)
 
 
 def entropy_of_parts(entropies: torch.Tensor, lses: torch.Tensor,
