@@ -117,36 +117,53 @@ def make_grad_output(gen: torch.Generator, inputs: Inputs, reduction: str) -> to
 
 
 def run(impl: str, inputs: Inputs, grad_output: torch.Tensor,
-        grad_lse: Optional[torch.Tensor] = None, **options) -> Result:
+        grad_lse: Optional[torch.Tensor] = None, grad_entropy: Optional[torch.Tensor] = None,
+        **options) -> Result:
     """Loss and lse of ``impl`` (return_lse=True) and gradients of ``(loss * grad_output).sum()``
     (plus ``(lse * grad_lse).sum()`` when ``grad_lse`` is given).
 
+    With ``grad_entropy`` (or ``return_entropy=True``) the entropy is returned too, and
+    ``(entropy * grad_entropy).sum()`` is added; with ``return_argmax=True``, the argmax.
     The tensors are detached and made leaves without changing their layout: a non-contiguous
     view stays non-contiguous.
     """
+    options = {**inputs.options, **options}
+    flags = {}
+    if options.pop("return_entropy", False) or grad_entropy is not None:
+        flags["return_entropy"] = True
+    if options.pop("return_argmax", False):
+        flags["return_argmax"] = True
     e = inputs.e.detach().requires_grad_()
     c = inputs.c.detach().requires_grad_()
     bias = None if inputs.bias is None else inputs.bias.detach().requires_grad_()
-    loss, lse = cce.linear_cross_entropy(e, c, inputs.targets, bias=bias, return_lse=True,
-                                         impl=impl, **{**inputs.options, **options})
+    loss, lse, *extras = cce.linear_cross_entropy(e, c, inputs.targets, bias=bias,
+                                                  return_lse=True, impl=impl, **flags,
+                                                  **options)
+    entropy = extras.pop(0) if "return_entropy" in flags else None
+    argmax = extras.pop(0) if "return_argmax" in flags else None
     leaves = [e, c] + ([bias] if bias is not None else [])
     outputs, upstream = [loss], [grad_output]
     if grad_lse is not None:
         outputs.append(lse)
         upstream.append(grad_lse)
+    if grad_entropy is not None:
+        outputs.append(entropy)
+        upstream.append(grad_entropy)
     grads = torch.autograd.grad(outputs, leaves, upstream)
     return Result(loss.detach(), lse.detach(), grads[0], grads[1],
-                  grads[2] if bias is not None else None)
+                  grads[2] if bias is not None else None,
+                  None if entropy is None else entropy.detach(), argmax)
 
 
 def run_reference(inputs: Inputs, grad_output: torch.Tensor,
-                  grad_lse: Optional[torch.Tensor] = None, **options) -> Result:
+                  grad_lse: Optional[torch.Tensor] = None,
+                  grad_entropy: Optional[torch.Tensor] = None, **options) -> Result:
     """The float64 reference on the same inputs; options not in its semantics are dropped."""
     options = {**inputs.options, **options}
     keep = ("ignore_index", "softcap", "reduction", "shift", "weight", "label_smoothing",
             "temperature", "z_loss")
     return reference(inputs.e, inputs.c, inputs.targets, bias=inputs.bias,
-                     grad_output=grad_output, grad_lse=grad_lse,
+                     grad_output=grad_output, grad_lse=grad_lse, grad_entropy=grad_entropy,
                      **{k: v for k, v in options.items() if k in keep})
 
 
@@ -170,7 +187,10 @@ def tolerances(impl: str, dtype: torch.dtype) -> "tuple[float, float]":
 
 def assert_matches(result: Result, ref: Result, impl: str, dtype: torch.dtype,
                    targets: torch.Tensor, reduction: str) -> None:
-    """Output dtypes/shapes are as specified and every quantity is within tolerance."""
+    """Output dtypes/shapes are as specified and every quantity is within tolerance; the
+    entropy (forward tolerance) and argmax (equal to the float64 logits') when ``result`` holds
+    them. (The argmax is compared where the logits are not rounded to 16 bits: float32, or the
+    kernels, which compute float32 logits.)"""
     expected_loss_shape = targets.shape if reduction == "none" else torch.Size([])
     assert result.loss.dtype == torch.float32, f"loss dtype {result.loss.dtype}"
     assert result.lse.dtype == torch.float32, f"lse dtype {result.lse.dtype}"
@@ -179,6 +199,12 @@ def assert_matches(result: Result, ref: Result, impl: str, dtype: torch.dtype,
     assert result.grad_e.dtype == dtype and result.grad_c.dtype == dtype
 
     forward_tol, grad_tol = tolerances(impl, dtype)
+    if result.argmax is not None:
+        assert result.argmax.dtype == torch.int64, f"argmax dtype {result.argmax.dtype}"
+        assert result.argmax.shape == targets.shape, f"argmax shape {tuple(result.argmax.shape)}"
+        if dtype == torch.float32 or impl == "cce":
+            differ = (result.argmax != ref.argmax.to(result.argmax.device)).nonzero()
+            assert differ.numel() == 0, f"impl={impl}: argmax differs at rows {differ.tolist()}"
     errors = {"loss": relative_error(result.loss, ref.loss),
               "lse": relative_error(result.lse, ref.lse),
               "grad_e": relative_error(result.grad_e, ref.grad_e),
@@ -186,7 +212,13 @@ def assert_matches(result: Result, ref: Result, impl: str, dtype: torch.dtype,
     if ref.grad_bias is not None:
         assert result.grad_bias is not None
         errors["grad_bias"] = relative_error(result.grad_bias, ref.grad_bias)
-    limits = {name: forward_tol if name in ("loss", "lse") else grad_tol for name in errors}
+    if result.entropy is not None:
+        assert result.entropy.dtype == result.loss.dtype, f"entropy dtype {result.entropy.dtype}"
+        assert result.entropy.shape == targets.shape, (
+            f"entropy shape {tuple(result.entropy.shape)}")
+        errors["entropy"] = relative_error(result.entropy, ref.entropy)
+    limits = {name: forward_tol if name in ("loss", "lse", "entropy") else grad_tol
+              for name in errors}
     failed = {name: f"{err:.2e} > {limits[name]:.0e}" for name, err in errors.items()
               if not err <= limits[name]}
     assert not failed, (f"impl={impl} dtype={dtype}: relative errors {failed} "

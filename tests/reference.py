@@ -18,13 +18,18 @@ import torch.nn.functional as F
 @dataclass
 class Result:
     """Loss, log-sum-exp and the gradients of ``(loss * grad_output).sum()`` (plus
-    ``(lse * grad_lse).sum()`` when a ``grad_lse`` is given) w.r.t. e, c and bias."""
+    ``(lse * grad_lse).sum()`` when a ``grad_lse`` is given, and ``(entropy *
+    grad_entropy).sum()`` when a ``grad_entropy`` is given) w.r.t. e, c and bias; the entropy
+    and argmax of every row's softmax (the reference always computes them; an implementation's
+    result holds them when it was asked for them)."""
 
     loss: torch.Tensor
     lse: torch.Tensor
     grad_e: torch.Tensor
     grad_c: torch.Tensor
     grad_bias: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+    argmax: Optional[torch.Tensor] = None
 
 
 def reference(
@@ -39,19 +44,28 @@ def reference(
     shift: int = 0,
     grad_output: Optional[torch.Tensor] = None,
     grad_lse: Optional[torch.Tensor] = None,
+    grad_entropy: Optional[torch.Tensor] = None,
     weight: Optional[torch.Tensor] = None,
     label_smoothing: float = 0.0,
     temperature: float = 1.0,
     z_loss: float = 0.0,
 ) -> Result:
-    """float64 loss, lse and gradients, with the semantics of ``cce.linear_cross_entropy``.
+    """float64 loss, lse, entropy, argmax and gradients, with the semantics of
+    ``cce.linear_cross_entropy``.
 
     ``shift`` is done by slicing: position i is scored against ``targets[..., i + shift]`` and
     the last ``shift`` positions contribute nothing (they are 0 in the "none" loss).
     ``grad_output`` is the upstream gradient of the loss (ones when None); ``grad_lse``, when
     given, that of the lse, so the gradients are those of ``sum(loss * grad_output) +
-    sum(lse * grad_lse)``. ``weight`` and ``label_smoothing``: F.cross_entropy's (the weights
-    in float64).
+    sum(lse * grad_lse)``; ``grad_entropy``, when given, that of the entropy (the term
+    ``sum(entropy * grad_entropy)`` is added). ``weight`` and ``label_smoothing``:
+    F.cross_entropy's (the weights in float64).
+
+    The entropy ``H = -sum_v p_v log p_v`` of the softmax of every position's logits (every
+    position of e: ignored ones and the last ``shift`` ones too, shape ``e.shape[:-1]``) is
+    summed from ``log_softmax``, with the terms where ``p_v == 0`` taken as 0 (and no
+    gradient), so that a logit of -inf gives a finite entropy and gradient. ``argmax`` is
+    ``torch.argmax`` of the float64 logits (the first of equal ones; a NaN counts as largest).
     """
     e64 = e.detach().double().requires_grad_()
     c64 = c.detach().double().requires_grad_()
@@ -64,6 +78,8 @@ def reference(
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
+    entropy = _entropy(logits)
+    argmax = logits.detach().argmax(dim=-1)
 
     targets = targets.long()
     if shift:
@@ -102,9 +118,22 @@ def reference(
     if grad_lse is not None:
         outputs.append(lse)
         upstream.append(grad_lse.double())
+    if grad_entropy is not None:
+        outputs.append(entropy)
+        upstream.append(grad_entropy.double())
     grads = torch.autograd.grad(outputs, inputs, upstream)
     return Result(loss.detach(), lse.detach(), grads[0], grads[1],
-                  grads[2] if b64 is not None else None)
+                  grads[2] if b64 is not None else None, entropy.detach(), argmax)
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``-sum_v p_v log p_v`` over the last dimension, 0 for the terms with ``p_v == 0``: no
+    ``0 * -inf`` (NaN) in the value or in the gradient. ``log p_v`` comes from log_softmax, not
+    from ``L - sum p z``, which loses the relative precision of a small entropy."""
+    log_p = torch.log_softmax(logits, dim=-1)
+    p = log_p.exp()
+    zero = p == 0
+    return -(p * torch.where(zero, 0.0, log_p)).sum(dim=-1)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -118,6 +118,74 @@ def test_capture_and_replay_match_eager(gen, shape):
         assert relative_error(c.grad, expected[3]) < 1e-2
 
 
+# Every output, with z_loss and a temperature: what an RL step asks of one call.
+ALL_OUTPUTS = dict(return_lse=True, return_entropy=True, return_argmax=True, z_loss=1e-4,
+                   temperature=0.7)
+
+
+def all_outputs_and_grads(e, c, targets, entropy_weight, **options):
+    """Loss, lse, entropy, argmax, dE and dC of ``loss + 1e-3 * lse.sum() + (entropy *
+    entropy_weight).sum()``."""
+    e.grad = c.grad = None
+    loss, lse, entropy, argmax = cce.linear_cross_entropy(e, c, targets, **ALL_OUTPUTS,
+                                                          **options)
+    (loss + 1e-3 * lse.sum() + (entropy * entropy_weight).sum()).backward()
+    return (loss.detach().clone(), lse.detach().clone(), entropy.detach().clone(),
+            argmax.clone(), e.grad.clone(), c.grad.clone())
+
+
+@needs_cuda
+def test_capture_and_replay_with_entropy_and_argmax_match_eager(gen):
+    """As above with the lse, entropy (and an entropy bonus's gradient) and argmax returned,
+    z_loss and a temperature."""
+    e, c, targets = lm_like(2048, 32064, 1024, torch.bfloat16, "cuda", gen)
+    entropy_weight = 1e-2 * torch.rand(targets.shape, generator=gen).to("cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compilation) outside the capture
+        for _ in range(2):
+            all_outputs_and_grads(e, c, targets, entropy_weight, deterministic=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    e.grad = c.grad = None
+    with torch.cuda.graph(graph):
+        loss, lse, entropy, argmax = cce.linear_cross_entropy(e, c, targets, deterministic=True,
+                                                              **ALL_OUTPUTS)
+        (loss + 1e-3 * lse.sum() + (entropy * entropy_weight).sum()).backward()
+    for seed in range(2):  # new inputs copied into the captured buffers
+        new_e, new_c, new_targets = lm_like(2048, 32064, 1024, torch.bfloat16, "cuda",
+                                            torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            e.copy_(new_e)
+            c.copy_(new_c)
+            targets.copy_(new_targets)
+        graph.replay()
+        expected = all_outputs_and_grads(new_e, new_c, new_targets, entropy_weight,
+                                         deterministic=True)
+        torch.cuda.synchronize()
+        for name, value, want in zip(("loss", "lse", "entropy"), (loss, lse, entropy),
+                                     expected):
+            assert relative_error(value, want) < 1e-6, name
+        assert torch.equal(argmax, expected[3])
+        assert relative_error(e.grad, expected[4]) < 1e-2
+        assert relative_error(c.grad, expected[5]) < 1e-2
+
+
+@needs_cuda
+def test_no_host_sync_with_entropy_and_argmax(gen):
+    e, c, targets = lm_like(2048, 32064, 512, torch.bfloat16, "cuda", gen)
+    entropy_weight = 1e-2 * torch.rand(targets.shape, generator=gen).to("cuda")
+    expected = all_outputs_and_grads(e, c, targets, entropy_weight, deterministic=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = all_outputs_and_grads(e, c, targets, entropy_weight, deterministic=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got[3], expected[3])  # argmax
+    for value, reference in zip(got[:3] + got[4:], expected[:3] + expected[4:]):
+        assert relative_error(value, reference) < 1e-2
+
+
 @needs_cuda
 def test_no_host_sync_when_syncs_are_errors(gen):
     e, c, targets = lm_like(2048, 32064, 512, torch.bfloat16, "cuda", gen)

@@ -63,6 +63,35 @@ def test_fullgraph_compile_matches_eager(device: str, gen: torch.Generator) -> N
         assert relative_error(compiled_result, eager) <= 1e-6
 
 
+def _all_outputs(e, c, targets, bias):
+    return cce.linear_cross_entropy(e, c, targets, bias=bias, shift=1, return_lse=True,
+                                    return_entropy=True, return_argmax=True, reduction="sum",
+                                    z_loss=1e-3, temperature=0.7)
+
+
+def test_fullgraph_compile_with_entropy_and_argmax_matches_eager(device: str,
+                                                                  gen: torch.Generator) -> None:
+    """The same with every output (lse, entropy, argmax), z_loss and a temperature: eager's
+    loss, lse, entropy and argmax, and the gradients of ``loss + sum(lse) + sum(entropy * w)``
+    (w random)."""
+    inputs = make_inputs(gen, device, torch.float32, shape=(BATCH, SEQ), bias=True)
+    entropy_weight = torch.randn(BATCH, SEQ, generator=gen).to(device)
+    compiled = torch.compile(_all_outputs, fullgraph=True)
+
+    results = []
+    for function in (_all_outputs, compiled):
+        e, c, bias = _leaves(inputs.e, inputs.c, inputs.bias)
+        loss, lse, entropy, argmax = function(e, c, inputs.targets, bias)
+        grads = torch.autograd.grad(loss + lse.sum() + (entropy * entropy_weight).sum(),
+                                    [e, c, bias])
+        results.append((argmax, loss, lse, entropy, *grads))
+    (eager_argmax, *eager), (compiled_argmax, *compiled_results) = results
+    assert compiled_argmax.dtype == torch.int64 and torch.equal(compiled_argmax, eager_argmax)
+    for name, eager_value, compiled_value in zip(("loss", "lse", "entropy", "dE", "dC", "dbias"),
+                                                 eager, compiled_results):
+        assert relative_error(compiled_value, eager_value) <= 1e-6, name
+
+
 def test_out_of_range_target_under_compile_gives_nan(device: str, gen: torch.Generator) -> None:
     """Under torch.compile the host cannot read the range check: the loss is NaN instead."""
     inputs = make_inputs(gen, device, torch.float32, shape=(BATCH, SEQ))

@@ -1,5 +1,6 @@
 """Vocabulary parallelism (``vocab_parallel=cce.VocabParallelOptions(start, stop)``): every rank
-gets the loss, lse and dE of the unsharded call, and the dC and dbias rows of its shard.
+gets the loss, lse, entropy, argmax and dE of the unsharded call, and the dC and dbias rows of
+its shard.
 
 The ranks are processes joined over gloo (on the CPU, where the kernels run in Triton's
 interpreter, or sharing the GPUs there are), with uneven shards; each checks its results
@@ -94,8 +95,9 @@ def shard_result(result: Result, start: int, stop: int) -> Result:
     return dataclasses.replace(result, grad_c=result.grad_c[start:stop], grad_bias=grad_bias)
 
 
-def assert_same_on_every_rank(result: Result, world_size: int) -> None:
-    for name in ("loss", "lse", "grad_e"):
+def assert_same_on_every_rank(result: Result, world_size: int,
+                              names: tuple = ("loss", "lse", "grad_e")) -> None:
+    for name in names:
         # In float32, which holds 16-bit values exactly, on the CPU, where gloo gathers any dtype.
         value = getattr(result, name).to("cpu", torch.float32).contiguous()
         gathered = [torch.empty_like(value) for _ in range(world_size)]
@@ -132,8 +134,57 @@ def matches_unsharded_worker(rank: int, world_size: int) -> None:
             raise AssertionError(f"rank {rank} of {world_size}, {case}") from error
     shards_skip_negligible_tiles(rank, world_size)
     confident_rows_are_as_accurate_as_pytorch(rank, world_size)
+    entropy_and_argmax_are_the_unsharded_ones(rank, world_size)
     if world_size == 3:
         an_empty_shard_contributes_nothing(rank)
+
+
+# return_entropy and return_argmax: float32 with exact gradients (bias, softcap, temperature,
+# shift, lse), bfloat16 with the default filter (and z_loss), and the materialized shards.
+ENTROPY_CASES = (
+    Case(torch.float32, bias=True, shape=(2, 12), lse_gradient=True,
+         options=dict(filter_eps=None, reduction="none", shift=1, softcap=20.0,
+                      temperature=0.7)),
+    Case(torch.bfloat16, options=dict(z_loss=1e-3)),
+    Case(torch.float32, impl="torch", bias=True, options=dict(reduction="sum")),
+)
+
+
+def entropy_and_argmax_are_the_unsharded_ones(rank: int, world_size: int) -> None:
+    """Every rank gets the entropy (within the float32 tolerance) and the argmax (exactly) of
+    the unsharded call, bitwise the same on every rank, and with a random upstream gradient of
+    the entropy the unsharded dE and its shard's dC and dbias; with 3 ranks also where one
+    holds no rows."""
+    splits = [SHARD_BOUNDS[world_size]] + ([(0, 150, 150, V)] if world_size == 3 else [])
+    device = rank_device(rank)
+    for bounds in splits:
+        start, stop = bounds[rank], bounds[rank + 1]
+        for index, case in enumerate(ENTROPY_CASES):
+            gen = torch.Generator().manual_seed(200 + index)  # the same inputs on every rank
+            inputs = case_inputs(case, gen, bounds, device)
+            reduction = case.options.get("reduction", "mean")
+            grad_output = make_grad_output(gen, inputs, reduction)
+            grad_lse = (torch.randn(inputs.targets.shape, generator=gen).to(device)
+                        if case.lse_gradient else None)
+            grad_entropy = torch.randn(inputs.targets.shape, generator=gen).to(device)
+            options = {key: value for key, value in case.options.items() if key != "reduction"}
+            try:
+                sharded = run(case.impl, shard_inputs(inputs, start, stop), grad_output,
+                              grad_lse, grad_entropy, reduction=reduction, return_argmax=True,
+                              vocab_parallel=cce.VocabParallelOptions(start, stop), **options)
+                unsharded = run(case.impl, inputs, grad_output, grad_lse, grad_entropy,
+                                reduction=reduction, return_argmax=True, **options)
+                reference = run_reference(inputs, grad_output, grad_lse, grad_entropy,
+                                          reduction=reduction, **options)
+                assert torch.equal(sharded.argmax, unsharded.argmax), "argmax"
+                for expected in (unsharded, reference):  # entropy and argmax included
+                    assert_matches(sharded, shard_result(expected, start, stop), case.impl,
+                                   case.dtype, inputs.targets, reduction)
+                assert_same_on_every_rank(sharded, world_size,
+                                          ("loss", "lse", "entropy", "argmax", "grad_e"))
+            except AssertionError as error:
+                raise AssertionError(f"rank {rank} of {world_size}, rows [{start}, {stop}), "
+                                     f"{case}") from error
 
 
 def confident_rows_are_as_accurate_as_pytorch(rank: int, world_size: int) -> None:
@@ -215,7 +266,9 @@ def shards_skip_negligible_tiles(rank: int, world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_rank_gets_the_unsharded_results(world_size: int, tmp_path: Path) -> None:
-    """Every case of CASES, then the tile skipping of shards_skip_negligible_tiles."""
+    """Every case of CASES, then the tile skipping of shards_skip_negligible_tiles, confident
+    rows, the entropy and argmax (entropy_and_argmax_are_the_unsharded_ones) and, with 3 ranks,
+    an empty shard."""
     run_ranks(matches_unsharded_worker, world_size, tmp_path, timeout_s=SPAWN_TIMEOUT_S)
 
 
