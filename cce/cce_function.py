@@ -240,7 +240,7 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     entropy = None
     # The rows with a softmax term in their gradient: for the live table, only != 0 counts.
     softmax_rows = scales.softmax
-    if grad_entropy is not None:
+    if grad_entropy is not None and entropy_terms.numel():  # (compile passes zeros unasked)
         entropy = EntropyTerm(-grad_entropy.float(), entropy_terms[0])
         entry = entry + entropy.scale * entropy_terms[1]
         softmax_rows = scales.softmax.abs() + entropy.scale.abs()

@@ -314,7 +314,7 @@ class VocabParallelFunction(torch.autograd.Function):
         prob_scale = target_scale + grad_lse.float() if grad_lse is not None else target_scale
         entropy = None
         softmax_rows = prob_scale  # rows with a softmax term: for the live table, only != 0
-        if grad_entropy is not None:
+        if grad_entropy is not None and entropy_terms is not None:
             entropy = EntropyTerm(-grad_entropy.float(), entropy_terms[0])
             softmax_rows = prob_scale.abs() + entropy.scale.abs()
         needs_grad_e = ctx.needs_input_grad[0]

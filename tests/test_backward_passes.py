@@ -408,15 +408,17 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
     vocab, dim = _shape(torch.bfloat16)
     e, c, targets = peaked_inputs(gen, device, N, vocab, dim)
     e, c = e.bfloat16(), c.bfloat16()
-    _, lse, complement, positions, order, tile_bound, curvature_sum, row_sum = loss_forward(
-        e, c, None, targets, None, None, 2.0**-12, True, True, 0.0, False, False, True, True)
+    (_, lse, _, _, complement, positions, order, tile_bound, curvature_sum, row_sum,
+     entropy_terms) = loss_forward(e, c, None, targets, None, None, 2.0**-12, True, True, 0.0,
+                                   False, False, False, False, True, True)
     grad_loss = torch.rand(N, generator=gen).to(device)
 
     def grad_c(with_grad_e: bool) -> "tuple[torch.Tensor, int]":
         listed.clear()
         _, gradient, _ = loss_backward(e, c, None, targets, None, lse, complement, positions,
-                                       order, tile_bound + 4.0, curvature_sum, row_sum, grad_loss,
-                                       None, None, 2.0**-12, True, 0.0, False,
+                                       order, tile_bound + 4.0, curvature_sum, row_sum,
+                                       entropy_terms, grad_loss, None, None, None, 2.0**-12,
+                                       True, 0.0, False,
                                        needs_grad_e=with_grad_e,
                                        needs_grad_c=True)
         return gradient, sum(int(call["tile_lists"].counts.sum()) for call in listed)
@@ -449,14 +451,16 @@ def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
     tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7
     e, c, targets = peaked_inputs(gen, device, tokens, vocab, dim)
     e, c = e.bfloat16(), c.bfloat16()
-    _, lse, complement, positions, order, tile_bound, curvature_sum, row_sum = loss_forward(
-        e, c, None, targets, None, None, 2.0**-12, True, True, 0.0, False, False, True, True)
+    (_, lse, _, _, complement, positions, order, tile_bound, curvature_sum, row_sum,
+     entropy_terms) = loss_forward(e, c, None, targets, None, None, 2.0**-12, True, True, 0.0,
+                                   False, False, False, False, True, True)
     grad_loss = torch.rand(tokens, generator=gen).to(device)
 
     def grad_c() -> torch.Tensor:
         _, gradient, _ = loss_backward(e, c, None, targets, None, lse, complement, positions,
-                                       order, tile_bound, curvature_sum, row_sum, grad_loss,
-                                       None, None, 2.0**-12, True, 0.0, False, needs_grad_e=True,
+                                       order, tile_bound, curvature_sum, row_sum,
+                                       entropy_terms, grad_loss, None, None, None, 2.0**-12,
+                                       True, 0.0, False, needs_grad_e=True,
                                        needs_grad_c=True)
         return gradient
 

@@ -171,13 +171,14 @@ def test_ops_pass_torch_library_opcheck(filter_eps, softcap, smoothing, device: 
     targets = torch.where(inputs.targets >= 0, inputs.targets, -1)
     e, c, bias = _leaves(inputs.e, inputs.c, inputs.bias)
     forward_args = (e, c, bias, targets, None, softcap, filter_eps, True, True, smoothing, False,
-                    False, True, True)
+                    False, True, True, True, True)
     torch.library.opcheck(loss_forward, forward_args, **TOLERANCES)
-    _, lse, *forward_outputs = loss_forward(*forward_args)
+    _, lse, _entropy, _argmax, *forward_outputs = loss_forward(*forward_args)
     grad_loss = make_grad_output(gen, inputs, "none")
     backward_args = (inputs.e, inputs.c, inputs.bias, targets, None, lse.detach(),
                      *forward_outputs, grad_loss, torch.zeros_like(grad_loss),
-                     softcap, filter_eps, True, smoothing, False, True, True)
+                     torch.randn_like(grad_loss), softcap, filter_eps, True, smoothing, False,
+                     True, True)
     torch.library.opcheck(loss_backward, backward_args, **TOLERANCES)
 
 
