@@ -12,17 +12,23 @@ dC against a float64 reference. One GEMM ``e @ c.T`` of the same shape is the ya
 softmax's sparsity statistics are printed and stored per shape.
 
 Methods: ``cce`` and its ablations, the ``torch``, ``torch_compile`` and ``chunked`` baselines
-(the variants of :mod:`experiments.compare_impls`), and, when installed, Apple's
-``cut_cross_entropy`` and Liger's fused linear cross-entropy. The N sweep and the frozen
-classifier measure only ``cce`` and ``torch_compile`` unless ``--methods`` names others
-(:attr:`Shape.methods`). Results: ``bench.json``, ``bench.md`` (with the targets, MET or
-MISSED) and ``bench.png``.
+(the variants of :mod:`experiments.compare_impls`), ``cce`` with label smoothing, with
+``z_loss``, with ``temperature`` and with ``return_entropy`` (an entropy bonus,
+``loss - 0.01 * entropy.mean()``), each against a float64 reference of its own loss, and, when
+installed, Apple's ``cut_cross_entropy`` and Liger's fused linear cross-entropy. The N sweep
+and the frozen classifier measure only ``cce`` and ``torch_compile`` unless ``--methods``
+names others (:attr:`Shape.methods`). Results: ``bench.json``, ``bench.md`` (with the
+targets, MET or MISSED, and the cost of the options against plain ``cce``: "Cost of options")
+and ``bench.png``.
 
 Targets (issue 20; limits in :data:`FWD_BWD_VS_COMPILE` and the constants below it), for
 ``impl="cce"`` with its defaults: fwd+bwd time against torch.compile's on each named shape (the
 full run measures them all); on every measured shape, the forward against one GEMM, the forward's
 memory under ``torch.no_grad``, the fwd+bwd memory against dE + dC (dC's size also with a frozen
-classifier), and the dE and dC errors against float64 and against torch.compile's.
+classifier), and the dE and dC errors against float64 and against torch.compile's. The cost of
+an option (:data:`OPTION_COST_LIMITS`): its fwd+bwd time against plain ``cce``'s on each shape
+that measures it (the full run: the named shapes), ``z_loss`` and ``temperature`` at most 2%
+more, ``return_entropy`` (with the entropy bonus's backward) at most 10%.
 
 ``python -m experiments.bench [--quick] [--shapes ...] [--methods ...] [--out DIR]
 [--data PATH] [--repeats N]``; also ``python -m experiments --only bench``. Each shape
@@ -44,7 +50,7 @@ import json
 import math
 import sys
 import textwrap
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -57,9 +63,9 @@ from experiments.alpaca_data import add_data_argument
 from experiments.compare_impls import variants
 from experiments.harness import (DEVICE, GPU_REPEATS, GPU_WARMUP, IGNORE_INDEX, MISSING, ON_GPU,
                                  WrittenResults, add_run_arguments, add_sections, device_label,
-                                 finish, float64_reference, label_log_axis, log, measure_loss,
-                                 progress, run_experiment, run_mode, shown_method, time_fn,
-                                 write_results)
+                                 environment, finish, float64_reference, label_log_axis, log,
+                                 measure_loss, progress, run_experiment, run_mode, shown_method,
+                                 time_fn, write_results)
 from experiments.synthetic import REAL_DATA_STATISTICS, lm_like_inputs, sparsity_statistics
 
 NAME = "bench"
@@ -167,8 +173,12 @@ class Method:
     name: str
     loss: Callable[[], Loss]  # builds the loss function; raises ImportError when not installed
     needs_cuda: bool = False
-    label_smoothing: float = 0.0  # of the loss, and so of its float64 reference
+    # What the loss computes besides the plain mean cross-entropy, and so its float64
+    # reference: keyword arguments of experiments.harness.float64_reference (label_smoothing,
+    # z_loss, temperature, entropy_bonus).
+    reference_options: dict[str, float] = field(default_factory=dict)
     cce_kernels: bool = False  # runs cce's Triton kernels (in the interpreter on a CPU)
+    description: str = ""  # what the row measures, where its name does not say it all
 
 
 def _cce_variant_loss(impl: str, options: dict[str, Any]) -> Callable[[], Loss]:
@@ -176,6 +186,19 @@ def _cce_variant_loss(impl: str, options: dict[str, Any]) -> Callable[[], Loss]:
         return lambda e, c, targets: cce.linear_cross_entropy(e, c, targets, impl=impl,
                                                               **options)
     return build
+
+
+# The entropy bonus of the "cce (return_entropy)" row: RL code's loss - bonus * entropy.mean().
+ENTROPY_BONUS = 0.01
+
+
+def _entropy_bonus_loss() -> Loss:
+    def loss_with_entropy_bonus(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
+                                ) -> torch.Tensor:
+        loss, entropy = cce.linear_cross_entropy(e, c, targets, impl="cce",
+                                                 return_entropy=True)
+        return loss - ENTROPY_BONUS * entropy.mean()
+    return loss_with_entropy_bonus
 
 
 def _apple_cce_loss() -> Loss:
@@ -196,11 +219,32 @@ METHODS: dict[str, Method] = {method.name: method for method in (
     *(Method(v.name, _cce_variant_loss(v.impl, v.options), cce_kernels=v.impl == "cce")
       for v in variants() if v.impl != "cce_torch" or not ON_GPU),
     Method("cce (label_smoothing=0.1)", _cce_variant_loss("cce", {"label_smoothing": 0.1}),
-           label_smoothing=0.1, cce_kernels=True),
+           reference_options={"label_smoothing": 0.1}, cce_kernels=True),
+    # The options whose cost the issue bounds (OPTION_COST_LIMITS), on cce's defaults.
+    Method("cce (z_loss=1e-4)", _cce_variant_loss("cce", {"z_loss": 1e-4}),
+           reference_options={"z_loss": 1e-4}, cce_kernels=True,
+           description="mean cross-entropy + 1e-4 * mean lse^2 over the scored tokens"),
+    Method("cce (temperature=0.7)", _cce_variant_loss("cce", {"temperature": 0.7}),
+           reference_options={"temperature": 0.7}, cce_kernels=True,
+           description="mean cross-entropy of the logits / 0.7"),
+    Method("cce (return_entropy)", _entropy_bonus_loss,
+           reference_options={"entropy_bonus": ENTROPY_BONUS}, cce_kernels=True,
+           description=f"loss, entropy = f(..., return_entropy=True); loss - {ENTROPY_BONUS:g} "
+                       "* entropy.mean(): an entropy bonus over every row, ignored ones too "
+                       "(as RL code adds it), differentiated through the entropy"),
     Method("cut_cross_entropy", _apple_cce_loss, needs_cuda=True),
     Method("liger", _liger_loss, needs_cuda=True),
 )}
 KERNEL_METHODS = tuple(name for name, method in METHODS.items() if method.cce_kernels)
+# The issue's limits on the cost of an option: its row's fwd+bwd time over plain cce's on the
+# same shape (every shape that measures both; the full run: the named shapes). The issue's
+# third bound, no cost when an option is unused, is not one of these rows: plain cce's own
+# times (and its fwd+bwd target against torch.compile) against an earlier report show it.
+OPTION_COST_LIMITS: dict[str, float] = {
+    "cce (z_loss=1e-4)": 1.02,
+    "cce (temperature=0.7)": 1.02,
+    "cce (return_entropy)": 1.10,
+}
 
 
 def run(quick: bool, out_dir: Path, shapes: Optional[list[str]] = None,
@@ -300,6 +344,8 @@ def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
     ``l2_cache_mb`` the L2 cache of the GPU that measured them (None: no GPU)."""
     rows = _with_ratios(rows, shape_info)
     targets_report = evaluate_targets(rows, shape_info)
+    costs = option_costs(rows)
+    env = measured_in or environment()
     meta = {
         "dtype": str(DTYPE).removeprefix("torch."),
         "times": times,
@@ -313,14 +359,15 @@ def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
         "ratios": "speedup_vs_compile = torch_compile fwd_bwd / fwd_bwd; *_vs_gemm = time / "
                   "one e @ c.T",
         "errors": "||x - x64|| / ||x64|| against a float64 reference computed in token "
-                  "chunks from the same bfloat16 inputs, reduction='mean'",
+                  "chunks from the same bfloat16 inputs, reduction='mean', of the row's own "
+                  "loss (with its label smoothing, z_loss, temperature or entropy bonus)",
         "l2_cache_mb": l2_cache_mb,
     }
     if measured is not None:
         meta["merged_runs"] = sorted(measured)
-    written = write_results(NAME, rows, meta, out_dir, measured_in=measured_in,
+    written = write_results(NAME, rows, meta, out_dir, measured_in=env,
                             kernel_methods={"method": KERNEL_METHODS})
-    written = _add_sections(written, shape_info, targets_report)
+    written = _add_sections(written, shape_info, targets_report, costs, env)
     plot(written.json_path)
     return written
 
@@ -367,10 +414,8 @@ def measure_shape(shape: Shape, methods: Sequence[str], how: Timing, *,
         _SHAPE_INFO[key] = info
         for name in progress(missing, shape.name, leave=False):
             method = METHODS[name]
-            method_reference = (float64_reference(e, c, targets,
-                                                  label_smoothing=method.label_smoothing,
-                                                  classifier_gradient=c.requires_grad)
-                                if reference is not None and method.label_smoothing
+            method_reference = (_method_reference(method, shape, e, c, targets)
+                                if reference is not None and method.reference_options
                                 else reference)
             _ROWS[(*key, name)] = (_measure(method, shape, e, c, targets, method_reference, how),
                                    accuracy)
@@ -380,6 +425,17 @@ def measure_shape(shape: Shape, methods: Sequence[str], how: Timing, *,
             torch.cuda.empty_cache()
     rows = [{"shape": shape.name, "method": name, **_ROWS[(*key, name)][0]} for name in methods]
     return {"description": shape.description, **info}, rows
+
+
+def _method_reference(method: Method, shape: Shape, e: torch.Tensor, c: torch.Tensor,
+                      targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The float64 reference of a method whose loss is more than the plain cross-entropy
+    (:attr:`Method.reference_options`). On a shape whose ignored rows are removed the loss never
+    sees them: an entropy bonus is then the mean over the other rows."""
+    options = dict(method.reference_options)
+    if options.get("entropy_bonus"):
+        options["entropy_of_ignored"] = not shape.ignored_removed
+    return float64_reference(e, c, targets, classifier_gradient=c.requires_grad, **options)
 
 
 def forget_measurements() -> None:
@@ -646,8 +702,10 @@ def _with_ratios(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any
 
 
 def _add_sections(written: WrittenResults, shape_info: dict[str, dict[str, Any]],
-                  checks: list[TargetCheck]) -> WrittenResults:
-    """Add the per-shape inputs and the targets to the JSON and Markdown files."""
+                  checks: list[TargetCheck], costs: list[dict[str, Any]],
+                  env: dict[str, Any]) -> WrittenResults:
+    """Add the per-shape inputs, the targets and the cost of options to the JSON and Markdown
+    files; ``env``: where the rows were measured (how the report names kernel methods)."""
     real = REAL_DATA_STATISTICS
     lines = ["", "## Inputs", "",
              "Sparsity: softmax entries >= 2^-12 per row, the fraction of 128 x 128 tiles "
@@ -676,10 +734,68 @@ def _add_sections(written: WrittenResults, shape_info: dict[str, dict[str, Any]]
               "| note |", "|---|---|---|---|---|---|"]
     lines += [f"| {check.status} | {check.target} | {check.shape} | {_number(check.value)} | "
               f"{_number(check.limit)} | {_cell(check.note)} |" for check in checks]
+    lines += option_cost_lines(costs, env)
     targets = [{"target": check.target, "shape": check.shape, "value": check.value,
                 "limit": check.limit, "status": check.status, "note": check.note}
                for check in checks]
-    return add_sections(written, {"shapes": shape_info, "targets": targets}, lines)
+    return add_sections(written, {"shapes": shape_info, "targets": targets,
+                                  "option_costs": costs}, lines)
+
+
+def option_costs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cost of each option of :data:`OPTION_COST_LIMITS` on every shape that has its row:
+    its fwd+bwd time, plain cce's on the same shape, their ratio, the limit and its status
+    (NOT MEASURED without either time), and the option's errors against its own float64
+    reference. Option by option, shapes in the rows' order."""
+    by_key = {(row["shape"], row["method"]): row for row in rows}
+    shapes = list(dict.fromkeys(row["shape"] for row in rows))
+    costs = []
+    for option, limit in OPTION_COST_LIMITS.items():
+        for shape in shapes:
+            row = by_key.get((shape, option))
+            if row is None:
+                continue
+            option_ms = row.get("fwd_bwd_ms")
+            cce_ms = by_key.get((shape, "cce"), {}).get("fwd_bwd_ms")
+            ratio = option_ms / cce_ms if option_ms and cce_ms else None
+            check = TargetCheck(f"fwd+bwd <= {limit:g}x cce", shape, ratio, limit)
+            costs.append({"option": option, "shape": shape, "fwd_bwd_ms": option_ms,
+                          "cce_fwd_bwd_ms": cce_ms, "ratio_to_cce": ratio, "limit": limit,
+                          "status": check.status,
+                          **{column: row[column] for column in
+                             ("loss_rel_err", "de_rel_err", "dc_rel_err", "skipped", "error")
+                             if column in row}})
+    return costs
+
+
+def option_cost_lines(costs: list[dict[str, Any]], env: dict[str, Any]) -> list[str]:
+    """The report's "Cost of options" section: a line per option and shape, then what each
+    option's row computes. No lines when no option was measured."""
+    if not costs:
+        return []
+    limits = ", ".join(f"{option.removeprefix('cce (').removesuffix(')')} <= {limit:g}x"
+                       for option, limit in OPTION_COST_LIMITS.items())
+    lines = ["", "## Cost of options (impl=\"cce\")", "",
+             "Each option on cce's defaults against plain cce on the same shape (same inputs "
+             f"and timing): fwd+bwd time and its ratio to cce's, the issue's limit ({limits}), "
+             "and the errors against the option's own float64 reference.", "",
+             "| status | option | shape | fwd+bwd ms | cce fwd+bwd ms | ratio to cce | target "
+             "| loss error | dE error | dC error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for cost in costs:
+        errors = [MISSING if cost.get(column) is None else f"{cost[column]:.2e}"
+                  for column in ("loss_rel_err", "de_rel_err", "dc_rel_err")]
+        status = cost["status"]
+        if cost.get("error") or cost.get("skipped"):
+            status += f" ({_cell(cost.get('error') or cost['skipped'])})"
+        lines.append(
+            f"| {status} | {shown_method(cost['option'], env)} | {cost['shape']} | "
+            f"{_number(cost['fwd_bwd_ms'])} | {_number(cost['cce_fwd_bwd_ms'])} | "
+            f"{_number(cost['ratio_to_cce'])} | <= {cost['limit']:g}x | {' | '.join(errors)} |")
+    lines += [""] + [f"- {shown_method(option, env)}: {METHODS[option].description}"
+                     for option in dict.fromkeys(cost["option"] for cost in costs)
+                     if METHODS[option].description]
+    return lines
 
 
 def _number(value: Optional[float]) -> str:
@@ -710,13 +826,15 @@ def bench_figure(results: dict[str, Any]) -> Any:
 
     A panel per set of methods measured, so that each reads on a laptop's screen: every method
     on the named shapes, then cce and torch.compile alone on the N sweep and the frozen
-    classifier. A method's color is the same in every panel.
+    classifier. A method's color is the same in every panel. The rows of
+    :data:`OPTION_COST_LIMITS` are left out: within a few percent of cce's bar, they would
+    only crowd it; the report's "Cost of options" gives their ratios to cce.
     """
     import matplotlib.pyplot as plt
 
     env, shape_info = results["environment"], results["shapes"]
     times = {(row["shape"], row["method"]): row["fwd_bwd_ms"] for row in results["rows"]
-             if row.get("fwd_bwd_ms")}
+             if row.get("fwd_bwd_ms") and row["method"] not in OPTION_COST_LIMITS}
     # Methods that were skipped or failed everywhere get no slot in the groups.
     methods = list(dict.fromkeys(method for _, method in times))
     shown = {method: shown_method(method, env) if method in KERNEL_METHODS else method

@@ -300,49 +300,88 @@ REFERENCE_CHUNK_BYTES = 2**30
 
 def float64_reference(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                       chunk_bytes: int = REFERENCE_CHUNK_BYTES, label_smoothing: float = 0.0,
-                      classifier_gradient: bool = True) -> tuple[torch.Tensor, ...]:
+                      classifier_gradient: bool = True, *, z_loss: float = 0.0,
+                      temperature: float = 1.0, entropy_bonus: float = 0.0,
+                      entropy_of_ignored: bool = True) -> tuple[torch.Tensor, ...]:
     """Float64 ``(loss, dE, dC)`` of the mean cross-entropy of ``e @ c.T`` (ignore_index -100),
     with F.cross_entropy's ``label_smoothing``; ``(loss, dE)`` without ``classifier_gradient``
     (a frozen classifier, whose dC nobody needs: it saves a float64 dC and a GEMM per chunk).
 
+    The options of ``cce.linear_cross_entropy`` that the benchmark measures, in float64:
+    ``temperature`` divides the logits (before everything else); ``z_loss`` adds
+    ``z_loss * lse**2`` to each non-ignored token's loss, averaged with the cross-entropy over
+    the non-ignored tokens; ``entropy_bonus`` subtracts ``entropy_bonus`` times the mean
+    entropy ``-sum(p * log p)`` of the softmax of every row (ignored ones too; only of the
+    non-ignored rows without ``entropy_of_ignored``: a loss that never sees the ignored rows),
+    as ``loss - entropy_bonus * entropy.mean()`` with ``return_entropy=True`` does.
+
     The full float64 logits (17 GB for 8192 x 262144) never exist: the tokens go through in
     chunks of ``chunk_bytes`` of logits, each chunk's softmax gradient turned into its rows of
     dE and its contribution to dC at once. Memory: float64 copies of e and c, dE and dC, and
-    one chunk (about 10 GB for the Gemma 2 2B shape).
+    one chunk (two with ``entropy_bonus``; about 10 GB for the Gemma 2 2B shape).
     """
     e64 = e.detach().double()
     c64 = c.detach().double()
     valid = targets >= 0
     n_valid = valid.sum()
+    entropy_rows = torch.ones_like(valid) if entropy_of_ignored else valid
+    n_entropy_rows = entropy_rows.sum()
     grad_e = torch.zeros_like(e64)
     grad_c = torch.zeros_like(c64) if classifier_gradient else None
     loss_sum = torch.zeros((), dtype=torch.float64, device=e.device)
+    entropy_sum = torch.zeros((), dtype=torch.float64, device=e.device)
     chunk_rows = max(1, chunk_bytes // (8 * c.shape[0]))
     for start in range(0, e.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         chunk_targets = targets[rows].clamp(min=0)[:, None]
         chunk_valid = valid[rows]
         logits = e64[rows] @ c64.T
+        if temperature != 1:
+            logits /= temperature
         lse = torch.logsumexp(logits, dim=1, keepdim=True)
         target_logit = logits.gather(1, chunk_targets)
         # The logit that the smoothed target distribution averages.
         scored_logit = (1 - label_smoothing) * target_logit
         if label_smoothing:
             scored_logit += label_smoothing * logits.mean(dim=1, keepdim=True)
-        loss_sum += ((lse - scored_logit).squeeze(1) * chunk_valid).sum()
-        # d(mean loss)/d(logits) = (softmax - smoothed onehot(target)) / n_valid on valid rows,
-        # in place.
-        grad_logits = logits.sub_(lse).exp_()
+        token_loss = lse - scored_logit
+        if z_loss:
+            token_loss += z_loss * lse**2
+        loss_sum += (token_loss.squeeze(1) * chunk_valid).sum()
+        log_probs = logits.sub_(lse)  # in place
+        if entropy_bonus:
+            grad_logits = log_probs.exp()
+            # Row by row dot products: no third chunk-sized buffer.
+            entropy = -(grad_logits[:, None, :] @ log_probs[:, :, None]).view(-1)
+            chunk_entropy_rows = entropy_rows[rows].double()
+            entropy_sum += (entropy * chunk_entropy_rows).sum()
+            # d(-bonus * mean entropy)/d(logits) = bonus / rows * p * (log p + entropy), in
+            # place of log p.
+            entropy_grad = log_probs.add_(entropy[:, None]).mul_(grad_logits)
+            entropy_grad *= (entropy_bonus * chunk_entropy_rows / n_entropy_rows)[:, None]
+        else:
+            grad_logits = log_probs.exp_()  # in place
+            entropy_grad = None
+        # d(mean loss)/d(logits) = (softmax * (1 + 2 z_loss lse) - smoothed onehot(target))
+        # / n_valid on valid rows, in place.
+        if z_loss:
+            grad_logits *= 1 + 2 * z_loss * lse
         grad_logits.scatter_add_(1, chunk_targets,
                                  torch.full_like(target_logit, label_smoothing - 1))
         if label_smoothing:
             grad_logits -= label_smoothing / c.shape[0]
         grad_logits *= (chunk_valid.double() / n_valid)[:, None]
+        if entropy_grad is not None:
+            grad_logits += entropy_grad
+        if temperature != 1:
+            grad_logits /= temperature
         grad_e[rows] = grad_logits @ c64
         if grad_c is not None:
             grad_c.addmm_(grad_logits.T, e64[rows])
-        del logits, grad_logits
+        del logits, log_probs, grad_logits, entropy_grad
     loss = loss_sum / n_valid
+    if entropy_bonus:
+        loss = loss - entropy_bonus * entropy_sum / n_entropy_rows
     return (loss, grad_e) if grad_c is None else (loss, grad_e, grad_c)
 
 

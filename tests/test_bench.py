@@ -88,7 +88,29 @@ def test_quick_mode_writes_a_finite_row_for_every_method(
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
     assert ("cce (interpreter)" in legend) == interpreted and "torch_compile" in legend
     assert ("cce (keep_tiles=True, interpreter)" in legend) == interpreted
+    # The options' rows are in the table and "Cost of options", not in the figure.
+    assert not any(option.removesuffix(")") in label for option in bench.OPTION_COST_LIMITS
+                   for label in legend)
     plt.close(figure)
+
+    # Each option's row, against its own float64 reference (checked above), and its cost.
+    costs = results["option_costs"]
+    assert [(cost["option"], cost["shape"]) for cost in costs] == [
+        (option, "quick") for option in bench.OPTION_COST_LIMITS]
+    quick_cce = next(row for row in rows if row["shape"] == "quick" and row["method"] == "cce")
+    for cost in costs:
+        row = next(row for row in rows
+                   if row["shape"] == "quick" and row["method"] == cost["option"])
+        assert cost["fwd_bwd_ms"] == row["fwd_bwd_ms"]
+        assert cost["cce_fwd_bwd_ms"] == quick_cce["fwd_bwd_ms"]
+        assert cost["ratio_to_cce"] == row["fwd_bwd_ms"] / quick_cce["fwd_bwd_ms"]
+        assert cost["status"] in {"MET", "MISSED"}
+        assert cost["de_rel_err"] == row["de_rel_err"]
+        shown = bench.shown_method(cost["option"])
+        assert f"| {cost['status']} | {shown} | quick | " in written.markdown
+    assert "## Cost of options" in written.markdown
+    assert "- " + bench.shown_method("cce (return_entropy)") + ": loss, entropy" in (
+        written.markdown)
 
     frozen = shapes["quick_frozen"]
     assert frozen["frozen_classifier"] and not shapes["quick"]["frozen_classifier"]
@@ -125,7 +147,9 @@ def test_the_committed_figure_reads_on_a_laptop_screen() -> None:
     assert len(time_panels) == 2
     assert all(len(axis.get_xticklabels()) == 5 for axis in time_panels)
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
-    assert set(legend) == {row["method"] for row in results["rows"]} | {"one GEMM e @ c.T"}
+    # Every method but the options, whose cost is a section of the report.
+    assert set(legend) == ({row["method"] for row in results["rows"]}
+                           - set(bench.OPTION_COST_LIMITS)) | {"one GEMM e @ c.T"}
     plt.close(figure)
 
 
@@ -242,6 +266,124 @@ def test_float64_reference_matches_autograd_in_chunks() -> None:
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
     torch.testing.assert_close(grad_e, expected_e, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(grad_c, expected_c, rtol=1e-10, atol=1e-14)
+
+
+def _independent_float64_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                              label_smoothing: float = 0.0, z_loss: float = 0.0,
+                              temperature: float = 1.0, entropy_bonus: float = 0.0,
+                              entropy_of_ignored: bool = True) -> torch.Tensor:
+    """The loss that float64_reference differentiates, from autograd's float64 operations."""
+    logits = e @ c.T / temperature
+    valid = targets != -100
+    loss = F.cross_entropy(logits, targets, ignore_index=-100, label_smoothing=label_smoothing)
+    lse = torch.logsumexp(logits, dim=1)
+    loss = loss + z_loss * lse[valid].square().mean()
+    entropy = -(torch.softmax(logits, dim=1) * torch.log_softmax(logits, dim=1)).sum(dim=1)
+    return loss - entropy_bonus * (entropy if entropy_of_ignored else entropy[valid]).mean()
+
+
+@pytest.mark.parametrize("options", [
+    dict(z_loss=1e-4), dict(z_loss=0.3), dict(temperature=0.7), dict(temperature=2.5),
+    dict(entropy_bonus=0.01), dict(entropy_bonus=0.5),
+    dict(entropy_bonus=0.5, entropy_of_ignored=False),
+    dict(label_smoothing=0.1, z_loss=0.2, temperature=0.6, entropy_bonus=0.3),
+], ids=lambda options: "-".join(f"{key}={value}" for key, value in options.items()))
+def test_float64_reference_options_match_autograd(options: dict) -> None:
+    """z_loss, temperature and the entropy bonus of the options' rows, in chunks with ignored
+    rows, against autograd through an independent float64 loss; dE alone as with a frozen
+    classifier."""
+    from experiments.harness import float64_reference
+
+    generator = torch.Generator().manual_seed(1)
+    e = torch.randn(37, 12, generator=generator)
+    c = torch.randn(300, 12, generator=generator) * 0.7
+    targets = torch.randint(0, 300, (37,), generator=generator)
+    targets[::4] = -100
+    # 5 rows of logits per chunk: 8 chunks, the last one short.
+    loss, grad_e, grad_c = float64_reference(e, c, targets, chunk_bytes=8 * 300 * 5, **options)
+    frozen = float64_reference(e, c, targets, classifier_gradient=False, **options)
+
+    e64 = e.double().requires_grad_()
+    c64 = c.double().requires_grad_()
+    expected = _independent_float64_loss(e64, c64, targets, **options)
+    expected_e, expected_c = torch.autograd.grad(expected, (e64, c64))
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad_e, expected_e, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(grad_c, expected_c, rtol=1e-10, atol=1e-14)
+    assert len(frozen) == 2
+    torch.testing.assert_close(frozen[0], loss, rtol=1e-14, atol=0)
+    torch.testing.assert_close(frozen[1], grad_e, rtol=1e-12, atol=1e-16)
+    # Each option changes the loss: the reference does not ignore it.
+    plain = float64_reference(e, c, targets)[0]
+    assert abs(float(loss - plain)) > 1e-6
+
+
+def test_an_option_methods_reference_is_its_own_loss() -> None:
+    """Each method's float64 reference is what its row computes: its options, and on a shape
+    whose ignored rows are removed, an entropy bonus over the rows the loss sees."""
+    from experiments import bench
+    from experiments.harness import float64_reference
+
+    generator = torch.Generator().manual_seed(2)
+    e = torch.randn(40, 16, generator=generator)
+    c = (torch.randn(256, 16, generator=generator) * 0.5).requires_grad_()
+    targets = torch.randint(0, 256, (40,), generator=generator)
+    targets[::3] = -100
+    kept = targets != -100
+    entropy = bench.METHODS["cce (return_entropy)"]
+    assert entropy.reference_options == {"entropy_bonus": bench.ENTROPY_BONUS}
+    assert bench.METHODS["cce (z_loss=1e-4)"].reference_options == {"z_loss": 1e-4}
+    assert bench.METHODS["cce (temperature=0.7)"].reference_options == {"temperature": 0.7}
+    assert bench.METHODS["cce (label_smoothing=0.1)"].reference_options == {
+        "label_smoothing": 0.1}
+    assert set(bench.OPTION_COST_LIMITS) <= set(bench.KERNEL_METHODS)
+
+    every_row = bench._method_reference(entropy, bench.SHAPES["quick"], e, c, targets)
+    torch.testing.assert_close(every_row[0], float64_reference(
+        e, c, targets, entropy_bonus=bench.ENTROPY_BONUS)[0], rtol=0, atol=0)
+    # What remove_ignored_tokens's loss sees: the kept rows alone.
+    removed = bench._method_reference(entropy, bench.SHAPES["quick_removed"], e, c, targets)
+    on_kept = float64_reference(e[kept], c, targets[kept], entropy_bonus=bench.ENTROPY_BONUS)
+    torch.testing.assert_close(removed[0], on_kept[0], rtol=1e-13, atol=0)
+    torch.testing.assert_close(removed[1][kept], on_kept[1], rtol=1e-11, atol=1e-16)
+    assert not removed[1][~kept].any()
+    torch.testing.assert_close(removed[2], on_kept[2], rtol=1e-11, atol=1e-16)
+    assert float(removed[0]) != float(every_row[0])
+
+
+def test_option_costs_are_met_under_their_limits_and_missed_over_them() -> None:
+    """z_loss and temperature at most 2% over plain cce's fwd+bwd, return_entropy 10%; a
+    shape without cce's time is NOT MEASURED, a shape without the option's row not listed."""
+    from experiments.bench import OPTION_COST_LIMITS, option_cost_lines, option_costs
+
+    assert OPTION_COST_LIMITS == {"cce (z_loss=1e-4)": 1.02, "cce (temperature=0.7)": 1.02,
+                                  "cce (return_entropy)": 1.10}
+
+    def costs(ratio: float) -> dict[tuple[str, str], dict]:
+        rows = [{"shape": "gemma2_2b", "method": "cce", "fwd_bwd_ms": 100.0},
+                {"shape": "llama3_8b", "method": "torch_compile", "fwd_bwd_ms": 50.0}]
+        for option in OPTION_COST_LIMITS:
+            rows += [{"shape": shape, "method": option, "fwd_bwd_ms": 100.0 * ratio,
+                      "loss_rel_err": 1e-6, "de_rel_err": 2e-3, "dc_rel_err": 3e-3}
+                     for shape in ("gemma2_2b", "llama3_8b")]
+        return {(cost["option"], cost["shape"]): cost for cost in option_costs(rows)}
+
+    for option, limit in OPTION_COST_LIMITS.items():
+        under, over = costs(limit - 0.005), costs(limit + 0.005)
+        assert under[option, "gemma2_2b"]["status"] == "MET"
+        assert over[option, "gemma2_2b"]["status"] == "MISSED"
+        assert math.isclose(over[option, "gemma2_2b"]["ratio_to_cce"], limit + 0.005)
+        assert under[option, "llama3_8b"]["status"] == "NOT MEASURED"  # no cce row there
+    measured = costs(1.01)
+    assert list(measured) == [(option, shape) for option in OPTION_COST_LIMITS
+                              for shape in ("gemma2_2b", "llama3_8b")]
+    lines = option_cost_lines(list(measured.values()), {"device": "a GPU"})
+    assert lines[1] == '## Cost of options (impl="cce")'
+    assert ("| MET | cce (z_loss=1e-4) | gemma2_2b | 101 | 100 | 1.01 | <= 1.02x | 1.00e-06 | "
+            "2.00e-03 | 3.00e-03 |") in lines
+    assert ("| NOT MEASURED | cce (return_entropy) | llama3_8b | 101 | — | — | <= 1.1x | "
+            "1.00e-06 | 2.00e-03 | 3.00e-03 |") in lines
+    assert option_cost_lines([], {"device": "a GPU"}) == []  # no option measured: no section
 
 
 # The issue's targets (issue 20), restated here so that a change of experiments.bench's limits
