@@ -319,8 +319,8 @@ def test_float64_reference_options_match_autograd(options: dict) -> None:
 
 
 def test_an_option_methods_reference_is_its_own_loss() -> None:
-    """Each method's float64 reference is what its row computes: its options, and on a shape
-    whose ignored rows are removed, an entropy bonus over the rows the loss sees."""
+    """Each method's float64 reference is what its row computes: its options, the entropy
+    bonus over the scored tokens (whether the ignored rows are there or removed)."""
     from experiments import bench
     from experiments.harness import float64_reference
 
@@ -331,24 +331,22 @@ def test_an_option_methods_reference_is_its_own_loss() -> None:
     targets[::3] = -100
     kept = targets != -100
     entropy = bench.METHODS["cce (return_entropy)"]
-    assert entropy.reference_options == {"entropy_bonus": bench.ENTROPY_BONUS}
+    assert entropy.reference_options == {"entropy_bonus": bench.ENTROPY_BONUS,
+                                         "entropy_of_ignored": False}
     assert bench.METHODS["cce (z_loss=1e-4)"].reference_options == {"z_loss": 1e-4}
     assert bench.METHODS["cce (temperature=0.7)"].reference_options == {"temperature": 0.7}
     assert bench.METHODS["cce (label_smoothing=0.1)"].reference_options == {
         "label_smoothing": 0.1}
     assert set(bench.OPTION_COST_LIMITS) <= set(bench.KERNEL_METHODS)
 
-    every_row = bench._method_reference(entropy, bench.SHAPES["quick"], e, c, targets)
-    torch.testing.assert_close(every_row[0], float64_reference(
-        e, c, targets, entropy_bonus=bench.ENTROPY_BONUS)[0], rtol=0, atol=0)
-    # What remove_ignored_tokens's loss sees: the kept rows alone.
-    removed = bench._method_reference(entropy, bench.SHAPES["quick_removed"], e, c, targets)
+    # The bonus is over the scored tokens: the same whether the ignored rows are there or
+    # removed (remove_ignored_tokens).
+    scored = float64_reference(e, c, targets, **entropy.reference_options)
     on_kept = float64_reference(e[kept], c, targets[kept], entropy_bonus=bench.ENTROPY_BONUS)
-    torch.testing.assert_close(removed[0], on_kept[0], rtol=1e-13, atol=0)
-    torch.testing.assert_close(removed[1][kept], on_kept[1], rtol=1e-11, atol=1e-16)
-    assert not removed[1][~kept].any()
-    torch.testing.assert_close(removed[2], on_kept[2], rtol=1e-11, atol=1e-16)
-    assert float(removed[0]) != float(every_row[0])
+    torch.testing.assert_close(scored[0], on_kept[0], rtol=1e-13, atol=0)
+    torch.testing.assert_close(scored[1][kept], on_kept[1], rtol=1e-11, atol=1e-16)
+    assert not scored[1][~kept].any()
+    torch.testing.assert_close(scored[2], on_kept[2], rtol=1e-11, atol=1e-16)
 
 
 def test_option_costs_are_met_under_their_limits_and_missed_over_them() -> None:
