@@ -54,14 +54,14 @@ from cce.gradient_tiles import RecomputeInputs, gradient_tiles, listed_gradient_
 from cce.host_copy import start_host_copy
 from cce.live_lists import TileLists
 from cce.scratch import Scratch, rows_can_hold_segments
-from cce.sparse_tile_matmul import (MassCorrection, RankOneUpdate, embeddings_block_out,
+from cce.sparse_tile_matmul import (FilterCorrection, RankOneUpdate, embeddings_block_out,
                                     embeddings_product_programs, gradient_times_classifier,
                                     gradient_times_embeddings, product_programs_per_block)
 
 
 class CorrectionInputs(NamedTuple):
     """What ``filter_correction`` reads besides the recompute's inputs
-    (:class:`cce.sparse_tile_matmul.MassCorrection`): ``counted_mass``, float32 (N,), each row's
+    (:class:`cce.sparse_tile_matmul.FilterCorrection`): ``counted_mass``, float32 (N,), each row's
     softmax mass in the entries the tiles add up, those of ``c`` off its target (None: all of
     them); ``classifier_row_sum``, float32 (D,) ``c.sum(0)`` where the forward has it (None:
     the backward reads ``c`` for it)."""
@@ -114,7 +114,7 @@ def linear_cross_entropy_backward(
         table = _live_table(live_tiles, num_token_blocks, num_vocab_blocks, e.device)
         live_listed = _list_tiles(table)
         # Queued behind the copy of the list lengths: the GPU runs it while the host plans.
-        correction = (MassCorrection.of(c, prob_scale, *correction_inputs)
+        correction = (FilterCorrection.of(c, prob_scale, *correction_inputs)
                       if correction_inputs is not None else None)
         one_pass = _one_pass_plan(live_listed, table, grad_c, vocab_order, keep_tiles)
         if one_pass is not None:
@@ -145,7 +145,7 @@ def linear_cross_entropy_backward(
         # With slots, queued behind the copy of the row counts: the GPU runs it while the host
         # plans.
         if correction_inputs is not None and correction is None:
-            correction = MassCorrection.of(c, prob_scale, *correction_inputs)
+            correction = FilterCorrection.of(c, prob_scale, *correction_inputs)
         if slots is not None:
             tiles_per_row = read_tiles_per_row()
             chunks = _slot_chunks(tiles_per_row, scratch.segments // grid.block_tokens)
@@ -269,7 +269,7 @@ def _one_pass_may_pay(num_token_blocks: int, num_vocab_blocks: int,
 
 
 def _one_pass_backward(plan: OnePassPlan, recompute: RecomputeInputs,
-                       correction: Optional[MassCorrection], grad_e: torch.Tensor,
+                       correction: Optional[FilterCorrection], grad_e: torch.Tensor,
                        grad_c: torch.Tensor, grad_bias: Optional[torch.Tensor]) -> None:
     """Both gradients from one recompute of every live tile: each tile is stored in its slot
     (tiles the exact filter drops as zeros), the dE product reads them all through a map from
@@ -283,7 +283,7 @@ def _one_pass_backward(plan: OnePassPlan, recompute: RecomputeInputs,
                           _longest_list(plan.tiles_per_block, all_vocab_blocks), all_vocab_blocks,
                           correction.kept_mass if correction is not None else None)
     gradient_times_embeddings(scratch, plan.live_tiles, c, vocab_order, grad_e,
-                              range(num_token_blocks), mass_correction=correction,
+                              range(num_token_blocks), filter_correction=correction,
                               rank_one=(RankOneUpdate.for_embeddings(rank_one, c)
                                         if rank_one is not None else None),
                               slot_map=_slot_map(tile_lists, transposed=True))

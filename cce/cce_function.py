@@ -106,7 +106,7 @@ def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: tor
                       grid.block_vocab, filter_eps)
 
 
-def uses_mass_correction(filter_correction: bool, filter_eps: Optional[float],
+def uses_filter_correction(filter_correction: bool, filter_eps: Optional[float],
                          softcap: Optional[float]) -> bool:
     """Whether dE gets back what the filter dropped: with filtering and no softcap, whose
     derivative the dropped entries' mass does not carry (:mod:`cce.sparse_tile_matmul`)."""
@@ -152,8 +152,8 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     int32 (V,) or empty, float32 live-grid table or empty, float32 (N,) with a softcap, label
     smoothing and ``needs_grad`` (:meth:`cce.weighting.LossWeighting.rank_one_term`) or empty,
     float32 (D,) with the order or empty, float32 (2, N) with the entropy and ``needs_grad``
-    (:attr:`ForwardResults.entropy_terms`) or empty. Targets are canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and
-    ``label_smoothing`` as in :mod:`cce.weighting`.
+    (:attr:`ForwardResults.entropy_terms`) or empty. Targets are canonical (int64, -1 =
+    ignored); ``weight`` (float32 (V,)) and ``label_smoothing`` as in :mod:`cce.weighting`.
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
     ``grad_c_follows``: that backward computes dC (see :func:`_may_copy_classifier`);
     ``filter_correction`` and ``keep_tiles`` are the backward's (see :func:`loss_backward`);
@@ -258,7 +258,7 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     recompute = RecomputeInputs(e, c, positions, bias, softcap, lse, scales.softmax, entry,
                                 order, filter_eps, rank_one, entropy)
     correction = (CorrectionInputs(target_complement, classifier_row_sum)
-                  if uses_mass_correction(filter_correction, filter_eps, softcap) else None)
+                  if uses_filter_correction(filter_correction, filter_eps, softcap) else None)
     grad_e, grad_c, grad_bias = linear_cross_entropy_backward(recompute, BackwardRequest(
         live, needs_grad_e, needs_grad_c, correction, keep_tiles))
     return (_or_empty(grad_e, e.dtype, e.device), _or_empty(grad_c, c.dtype, c.device),
@@ -293,8 +293,8 @@ def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
 @loss_backward.register_fake
 def _loss_backward_fake(e, c, bias, targets, weight, lse, target_complement, positions, order,
                         tile_bound, curvature_sum, classifier_row_sum, entropy_terms, grad_loss,
-                        grad_lse, grad_entropy, softcap, filter_eps, filter_correction, label_smoothing, keep_tiles,
-                        needs_grad_e, needs_grad_c):
+                        grad_lse, grad_entropy, softcap, filter_eps, filter_correction,
+                        label_smoothing, keep_tiles, needs_grad_e, needs_grad_c):
     return (e.new_empty(e.shape if needs_grad_e else (0,)),
             c.new_empty(c.shape if needs_grad_c else (0,)),
             c.new_empty(bias.shape if needs_grad_c and bias is not None else (0,)))

@@ -22,7 +22,7 @@ tiles leave out, as it would keep every tile live: a ``RankOneUpdate`` adds its 
 epilogue, in float32 before the output is rounded: ``u (w^T C)`` to dE, ``w (u^T E)`` to dC and
 ``w sum(u)`` to the bias gradient.
 
-Gradient filtering drops entries of G. With a ``MassCorrection`` (dE only), the product adds
+Gradient filtering drops entries of G. With a ``FilterCorrection`` (dE only), the product adds
 them back as an estimate: each row's dropped probability mass (one minus the kept mass, which
 pass 1 sums, :mod:`cce.gradient_tiles`) times the mean classifier row. The dropped entries are
 many small ones, and language models' classifier rows share a direction, so this removes most
@@ -49,17 +49,17 @@ from cce.weighted_sum import weighted_sum
 from cce.weighting import RankOneTerm
 
 
-class MassCorrection(NamedTuple):
+class FilterCorrection(NamedTuple):
     """What the dE product needs to add back what the filter dropped (module docstring)."""
 
-    classifier_mean: torch.Tensor  # float32 (D,): the mean row of c
+    mean_row: torch.Tensor  # float32 (D,): the mean row of c
     prob_scale: torch.Tensor  # float32 (N,), as in cce.logit_tile.logit_gradient_tile
     kept_mass: torch.Tensor  # int64 (N,): fixed point, see cce.gradient_tiles
 
     @classmethod
     def of(cls, c: torch.Tensor, prob_scale: torch.Tensor,
            counted_mass: Optional[torch.Tensor] = None,
-           row_sum: Optional[torch.Tensor] = None) -> "MassCorrection":
+           row_sum: Optional[torch.Tensor] = None) -> "FilterCorrection":
         """Before pass 1, which adds the kept mass up. ``counted_mass``: float32 (N,), each
         row's softmax mass in the entries that the tiles add up: off the row's target, and only
         the shard's when c is one shard of the vocabulary (None: all of it, 1).
@@ -105,12 +105,12 @@ def sparse_tile_matmul_kernel(
     scratch_ptr, pages_ptr, live_lists_ptr, live_counts_ptr, first_slots_ptr, slot_map_ptr,
     operand_ptr,
     vocab_order_ptr, out_ptr, partial_ptr, grad_bias_ptr,
-    classifier_mean_ptr, prob_scale_ptr, kept_mass_ptr,
+    mean_row_ptr, prob_scale_ptr, kept_mass_ptr,
     rank_one_rows_ptr, rank_one_columns_ptr, rank_one_bias_ptr,
     num_tokens, vocab_size, dim, chunk_vocab_blocks, page_stride,
     first_block, num_out_blocks, list_stride, stride_operand_row, stride_operand_dim,
     TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    MASS_CORRECTION: tl.constexpr, RANK_ONE: tl.constexpr, RANK_ONE_ROWS: tl.constexpr,
+    FILTER_CORRECTION: tl.constexpr, RANK_ONE: tl.constexpr, RANK_ONE_ROWS: tl.constexpr,
     SPLITS: tl.constexpr, SLOT_MAP: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
     SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
@@ -198,7 +198,7 @@ def sparse_tile_matmul_kernel(
                 mask=vocab_mask[:, None] & out_mask[None, :], other=0.0)
         acc = tile_dot(operand_a, operand_b, acc, DOT_PRECISION)
 
-    if MASS_CORRECTION:
+    if FILTER_CORRECTION:
         if split == 0:
             # The filter dropped prob_scale * (1 - kept mass) of each row's gradient (the
             # targets' tiles are never dropped). 1 - kept mass in fixed point: exact.
@@ -206,8 +206,8 @@ def sparse_tile_matmul_kernel(
             dropped_mass = (kept_mass - KEPT_MASS_ONE).to(tl.float32) * -KEPT_MASS_UNIT
             prob_scale = tl.load(prob_scale_ptr + out_rows, mask=row_mask, other=0.0)
             dropped = prob_scale * dropped_mass
-            classifier_mean = tl.load(classifier_mean_ptr + out_dims, mask=out_mask, other=0.0)
-            acc += dropped[:, None] * classifier_mean[None, :]
+            mean_row = tl.load(mean_row_ptr + out_dims, mask=out_mask, other=0.0)
+            acc += dropped[:, None] * mean_row[None, :]
 
     if RANK_ONE:
         if split == 0:
@@ -238,14 +238,14 @@ def sparse_tile_matmul_kernel(
 def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Tensor,
                               vocab_order: Optional[torch.Tensor], grad_e: torch.Tensor,
                               token_blocks: range, room: Optional[torch.Tensor] = None,
-                              mass_correction: Optional[MassCorrection] = None,
+                              filter_correction: Optional[FilterCorrection] = None,
                               rank_one: Optional[RankOneUpdate] = None,
                               slot_map: Optional[torch.Tensor] = None,
                               first_slot: Optional[torch.Tensor] = None) -> None:
     """``grad_e[rows of token_blocks] = G @ c`` for a chunk of rows of the tile grid (pass 1:
     its tiles stored as whole rows of the grid, or in slots with ``slot_map``; ``flags`` say
     which tiles hold something), plus the filtered mass along the mean row of c when
-    ``mass_correction`` is given, plus ``rank_one`` (:meth:`RankOneUpdate.for_embeddings`) when
+    ``filter_correction`` is given, plus ``rank_one`` (:meth:`RankOneUpdate.for_embeddings`) when
     given.
     ``room``: free float32 memory for the partial sums of a split product. ``slot_map``: int32
     (token blocks, vocabulary blocks), the slot of each flagged tile when the tiles are stored
@@ -253,7 +253,7 @@ def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Te
     slot the scratch holds at its start (None: slot 0)."""
     lists, counts = live_lists(flags[token_blocks.start:token_blocks.stop])
     _launch(scratch, lists, counts, first_slot, c, vocab_order, grad_e, None, token_blocks.start,
-            flags.shape[1], transposed=False, room=room, mass_correction=mass_correction,
+            flags.shape[1], transposed=False, room=room, filter_correction=filter_correction,
             rank_one=rank_one, slot_map=slot_map, chunk_slots=first_slot is not None)
 
 
@@ -333,7 +333,7 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             vocab_order: Optional[torch.Tensor], out: torch.Tensor,
             grad_bias: Optional[torch.Tensor], first_block: int, chunk_vocab_blocks: int,
             transposed: bool, room: Optional[torch.Tensor] = None,
-            mass_correction: Optional[MassCorrection] = None,
+            filter_correction: Optional[FilterCorrection] = None,
             rank_one: Optional[RankOneUpdate] = None,
             slot_map: Optional[torch.Tensor] = None, chunk_slots: bool = True) -> None:
     configs = kernel_configs(operand.dtype)
@@ -362,18 +362,18 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             partial = room[:splits * rows * dim].view(splits, rows, dim)
         else:
             partial = torch.empty((splits, rows, dim), dtype=torch.float32, device=out.device)
-    correction = mass_correction or MassCorrection(None, None, None)  # None: unused pointers
+    correction = filter_correction or FilterCorrection(None, None, None)  # None: unused pointers
     update = rank_one or RankOneUpdate(None, None, None)
     sparse_tile_matmul_kernel[(programs * splits,)](
         scratch.buffer, scratch.pages, lists, counts, first_slots, slot_map, operand,
         vocab_order, out,
-        partial, grad_bias, correction.classifier_mean, correction.prob_scale,
+        partial, grad_bias, correction.mean_row, correction.prob_scale,
         correction.kept_mass, update.row_factor, update.column_vector, update.bias_factor,
         num_tokens, vocab_size, dim, chunk_vocab_blocks,
         scratch.page_stride, first_block, num_out_blocks,
         lists.stride(0), operand.stride(0), operand.stride(1),
         TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
-        MASS_CORRECTION=mass_correction is not None, RANK_ONE=rank_one is not None,
+        FILTER_CORRECTION=filter_correction is not None, RANK_ONE=rank_one is not None,
         RANK_ONE_ROWS=update.row_factor is not None, SPLITS=splits,
         SLOT_MAP=slot_map is not None, CHUNK_SLOTS=chunk_slots,
         SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,

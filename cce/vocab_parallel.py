@@ -8,11 +8,11 @@ log-sum-exp and its target's logit, so the ranks exchange per-token values, neve
   where the target is another shard's) and the log-sum-exp of its logits off the target; one
   all-reduce SUM gives the target logits, an all-reduce MAX and a SUM of ``exp(local - max)``
   the log-sum-exp of every row's non-target logits, and with the target logit its LSE
-  (:mod:`cce.weighting`). Every rank then
-  has the loss (and lse) of the unsharded call, the same on every rank. The entropy merges the
-  shards' as the LSE does (one more SUM), the argmax by value, then by index (a MAX and a MIN). The target logits are
-  summed first: they are a lower bound of the whole vocabulary's log-sum-exp, which the shard's
-  forward uses for its tile bounds.
+  (:mod:`cce.weighting`). Every rank then has the loss (and lse) of the unsharded call, the
+  same on every rank. The target logits are summed first: they are a lower bound of the whole
+  vocabulary's log-sum-exp, which the shard's forward uses for its tile bounds. The entropy
+  merges the shards' as the LSE does (one more SUM), the argmax by value, then by index (a MAX
+  and a MIN).
 - backward: each rank runs the single-GPU backward on its shard with the global log-sum-exp (its
   softmax entries are ``exp(z - global lse)``) and the target's entry only where the target is
   in its shard. Filtering and vocabulary sorting work per shard, with the global log-sum-exp.
@@ -237,7 +237,7 @@ class VocabParallelFunction(torch.autograd.Function):
     def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, local_targets: torch.Tensor, options: "LossOptions",
                 needs_grad: bool):
-        from cce.cce_function import uses_mass_correction
+        from cce.cce_function import uses_filter_correction
         from cce.indexed_dot import indexed_dot
         from cce.lse_forward import lse_forward
         from cce.vocab_order import sort_vocabulary, target_positions
@@ -285,16 +285,16 @@ class VocabParallelFunction(torch.autograd.Function):
             argmax = argmax_or_none(
                 _global_argmax(local_max, _global_index(local_argmax, start), group), lse)
             ctx.mark_non_differentiable(argmax)
-        mass_correction = uses_mass_correction(options.filter_correction, filter_eps, softcap)
+        corrects = uses_filter_correction(options.filter_correction, filter_eps, softcap)
         # The mass that the shard's tiles add up, which the mass correction starts from.
-        counted_mass = (torch.exp(local_other_lse - lse) if mass_correction and needs_grad
+        counted_mass = (torch.exp(local_other_lse - lse) if corrects and needs_grad
                         else None)
         ctx.save_for_backward(e, c, bias, targets, positions, lse, complement, order, tile_bound,
                               counted_mass, row_sum, entropy_terms)
         ctx.group = group
         ctx.softcap = softcap
         ctx.filter_eps = filter_eps
-        ctx.mass_correction = mass_correction
+        ctx.corrects = corrects
         return loss, lse, entropy, argmax
 
     @staticmethod
@@ -338,7 +338,7 @@ class VocabParallelFunction(torch.autograd.Function):
                 entry = entry + entropy.scale * entropy_terms[1]
             recompute = RecomputeInputs(e, c, positions, bias, ctx.softcap, lse, prob_scale,
                                         entry, order, ctx.filter_eps, None, entropy)
-            correction = (CorrectionInputs(counted_mass, row_sum) if ctx.mass_correction
+            correction = (CorrectionInputs(counted_mass, row_sum) if ctx.corrects
                           else None)
             grad_e, grad_c, grad_bias = linear_cross_entropy_backward(recompute, BackwardRequest(
                 live, needs_grad_e, needs_grad_c, correction,
