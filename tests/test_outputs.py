@@ -159,6 +159,21 @@ def test_entropy_and_its_gradient_match_float64(impl: str, softcap, device: str,
     assert relative_error(without.grad_e, ref.grad_e) > 1e-2
 
 
+def test_deterministic_entropy_and_argmax_repeat_bit_for_bit(device: str,
+                                                             gen: torch.Generator) -> None:
+    """deterministic=True: entropy, argmax and the entropy's gradients are the same bits in
+    every call (the partial entropies merge in a fixed order), and match float64."""
+    inputs = make_inputs(gen, device, torch.float32, shape=(40,), vocab=900, dim=24, bias=True)
+    grad_output = make_grad_output(gen, inputs, "none")
+    grad_entropy = torch.randn(inputs.targets.shape, generator=gen).to(device)
+    runs = [run("cce", inputs, grad_output, None, grad_entropy, reduction="none",
+                return_argmax=True, deterministic=True) for _ in range(2)]
+    for name in ("loss", "entropy", "argmax", "grad_e", "grad_c", "grad_bias"):
+        assert torch.equal(getattr(runs[0], name), getattr(runs[1], name)), name
+    ref = run_reference(inputs, grad_output, None, grad_entropy, reduction="none")
+    assert_matches(runs[0], ref, "cce", torch.float32, inputs.targets, "none")
+
+
 def _live_tile_fraction(monkeypatch: pytest.MonkeyPatch) -> "list[float]":
     """Records the fraction of live tiles of every backward of the kernels (the recompute
     table's mean): below 1 when the filter skips tiles."""
