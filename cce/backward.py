@@ -52,7 +52,7 @@ from cce.config import (DEDICATED_SCRATCH_BYTES, kernel_configs, slot_chunk_toke
                         sm_utilization, spare_scratch_bytes, whole_waves)
 from cce.gradient_tiles import RecomputeInputs, gradient_tiles, listed_gradient_tiles
 from cce.host_copy import start_host_copy
-from cce.live_lists import TileLists
+from cce.tile_lists import TileLists
 from cce.scratch import Scratch, rows_can_hold_segments
 from cce.sparse_tile_matmul import (FilterCorrection, RankOneUpdate, embeddings_block_out,
                                     embeddings_product_programs, gradient_times_classifier,

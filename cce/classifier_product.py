@@ -35,7 +35,7 @@ import torch
 import triton
 
 from cce.config import interpreting, kernel_configs, tma_copies_rows
-from cce.live_lists import TileLists
+from cce.tile_lists import TileLists
 from cce.scratch import Scratch
 
 try:

@@ -13,7 +13,7 @@ exactly (gradient filtering: every entry below ``filter_eps``) and stored in the
   (:mod:`cce.sparse_tile_matmul`). The sum is in fixed point (units of 2^-62), so that
   the atomic additions are exact and the result does not depend on their order.
 - Pass 2 (:func:`listed_gradient_tiles`): one program per tile of the chunk's lists, the tiles
-  pass 1 stored (:mod:`cce.live_lists`), each stored in a slot of its own, so that the chunk's
+  pass 1 stored (:mod:`cce.tile_lists`), each stored in a slot of its own, so that the chunk's
   scratch holds only those.
 """
 
@@ -27,7 +27,7 @@ import triton.language as tl
 
 from cce.config import dot_precision, kernel_configs
 from cce.logit_tile import logit_gradient_tile, round_to, vocab_block_entries
-from cce.live_lists import TileLists
+from cce.tile_lists import TileLists
 from cce.scratch import Scratch, segment_offsets
 from cce.weighting import EntropyTerm, RankOneTerm
 

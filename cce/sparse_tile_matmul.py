@@ -3,7 +3,7 @@ the stored logit-gradient tiles of one chunk and skipping the filtered ones.
 
 Each program owns one block of output rows (a block of the live grid) and BLOCK_OUT columns,
 and accumulates in float32 registers the products of the live tiles of its row of the grid,
-found in a list (:mod:`cce.live_lists`: the grid blocks with a stored tile, ``live_counts`` of
+found in a list (:mod:`cce.tile_lists`: the grid blocks with a stored tile, ``tile_counts`` of
 them). Walking a list instead of testing every tile keeps the loop free of branches, so Triton can
 pipeline its loads. The output is written once, in its dtype: no atomics, deterministic. When
 the output has too few blocks to fill the GPU, each list is split among SPLITS programs that
@@ -41,7 +41,7 @@ from cce import classifier_product
 from cce.classifier_sums import classifier_sums
 from cce.config import dot_precision, kernel_configs, split_count
 from cce.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
-from cce.live_lists import TileLists, live_lists
+from cce.tile_lists import TileLists, build_tile_lists
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
 from cce.partial_sums import sum_partials
 from cce.scratch import Scratch, segment_offsets
@@ -102,7 +102,7 @@ class RankOneUpdate(NamedTuple):
 
 @triton.jit
 def sparse_tile_matmul_kernel(
-    scratch_ptr, pages_ptr, live_lists_ptr, live_counts_ptr, first_slots_ptr, slot_map_ptr,
+    scratch_ptr, pages_ptr, tile_lists_ptr, tile_counts_ptr, first_slots_ptr, slot_map_ptr,
     operand_ptr,
     vocab_order_ptr, out_ptr, partial_ptr, grad_bias_ptr,
     mean_row_ptr, prob_scale_ptr, kept_mass_ptr,
@@ -125,7 +125,7 @@ def sparse_tile_matmul_kernel(
     out_dims = out_chunk * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     # Masks that whole blocks make all true are folded away at compile time.
     out_mask = (out_dims < dim) | WHOLE_BLOCKS
-    count = tl.load(live_counts_ptr + out_block)
+    count = tl.load(tile_counts_ptr + out_block)
     list_start = split * count // SPLITS
     list_end = (split + 1) * count // SPLITS
     BLOCK_ROWS: tl.constexpr = BLOCK_VOCAB if TRANSPOSED else BLOCK_TOKENS
@@ -161,7 +161,7 @@ def sparse_tile_matmul_kernel(
         else:
             position = step // STEPS
             entries = (step % STEPS) * DEPTH + tl.arange(0, DEPTH)
-        other_block = tl.load(live_lists_ptr + out_block * list_stride + position)
+        other_block = tl.load(tile_lists_ptr + out_block * list_stride + position)
         if TRANSPOSED:
             token_rows = other_block * BLOCK_TOKENS + entries
             token_mask = (token_rows < num_tokens) | WHOLE_BLOCKS
@@ -251,7 +251,7 @@ def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Te
     (token blocks, vocabulary blocks), the slot of each flagged tile when the tiles are stored
     in slots rather than as whole rows of the grid; ``first_slot``: int32, first element: the
     slot the scratch holds at its start (None: slot 0)."""
-    lists, counts = live_lists(flags[token_blocks.start:token_blocks.stop])
+    lists, counts = build_tile_lists(flags[token_blocks.start:token_blocks.stop])
     _launch(scratch, lists, counts, first_slot, c, vocab_order, grad_e, None, token_blocks.start,
             flags.shape[1], transposed=False, room=room, filter_correction=filter_correction,
             rank_one=rank_one, slot_map=slot_map, chunk_slots=first_slot is not None)

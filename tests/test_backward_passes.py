@@ -27,7 +27,7 @@ from cce.cce_function import loss_backward, loss_forward
 from cce.classifier_sums import classifier_sums, classifier_sums_by_kernel
 from cce.config import kernel_configs
 from cce.host_copy import start_host_copy
-from cce.live_lists import live_lists
+from cce.tile_lists import build_tile_lists
 from cce.partial_sums import sum_partials
 from tests.helpers import (Inputs, check, make_grad_output, make_inputs, peaked_inputs,
                            run_reference)
@@ -322,7 +322,7 @@ def test_backward_is_deterministic(device: str, gen: torch.Generator) -> None:
 
 @pytest.mark.parametrize("layout", ["rows", "columns"])
 @pytest.mark.parametrize("columns", [1, 63, 200])
-def test_live_lists_hold_the_stored_tiles_of_each_row_in_order(layout: str, columns: int,
+def test_tile_lists_hold_the_stored_tiles_of_each_row_in_order(layout: str, columns: int,
                                                                device: str,
                                                                gen: torch.Generator) -> None:
     """Each row's list starts with the columns of its stored tiles, in increasing order, and
@@ -334,7 +334,7 @@ def test_live_lists_hold_the_stored_tiles_of_each_row_in_order(layout: str, colu
     table[:, 1] = 1
     table = table.to(device)
     flags = table[2:columns + 2].T if layout == "columns" else table[2:columns + 2].T.contiguous()
-    lists, counts = live_lists(flags)
+    lists, counts = build_tile_lists(flags)
     for row in range(rows):
         expected = torch.nonzero(flags[row]).flatten().to(torch.int32)
         assert int(counts[row]) == expected.numel()

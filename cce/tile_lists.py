@@ -23,7 +23,7 @@ _INTERPRETER_BLOCK_COLUMNS = 64
 
 
 @triton.jit
-def live_lists_kernel(flags_ptr, lists_ptr, counts_ptr, num_columns, stride_row, stride_column,
+def build_tile_lists_kernel(flags_ptr, lists_ptr, counts_ptr, num_columns, stride_row, stride_column,
                       BLOCK_COLUMNS: tl.constexpr):
     row = tl.program_id(0)
     flags_row = flags_ptr + row.to(tl.int64) * stride_row
@@ -39,7 +39,7 @@ def live_lists_kernel(flags_ptr, lists_ptr, counts_ptr, num_columns, stride_row,
     tl.store(counts_ptr + row, count)
 
 
-def live_lists(flags: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+def build_tile_lists(flags: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
     """Per row of ``flags`` (int32, any strides; nonzero = stored tile): the indices of its
     columns with a stored tile, in increasing order, at the start of that row of ``lists``
     (int32, rows x columns, contiguous; the rest of the row is not written), and ``counts``
@@ -49,7 +49,7 @@ def live_lists(flags: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
     counts = torch.empty(rows, dtype=torch.int32, device=flags.device)
     if rows:
         block = _INTERPRETER_BLOCK_COLUMNS if interpreting() else _BLOCK_COLUMNS
-        live_lists_kernel[(rows,)](flags, lists, counts, columns, flags.stride(0),
+        build_tile_lists_kernel[(rows,)](flags, lists, counts, columns, flags.stride(0),
                                    flags.stride(1), BLOCK_COLUMNS=block)
     return lists, counts
 
@@ -57,7 +57,7 @@ def live_lists(flags: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
 @dataclass(frozen=True)
 class TileLists:
     """Pass 2's tiles, per vocabulary block (row): the token blocks of its tiles (``lists``,
-    ``counts`` of them, see :func:`live_lists`) and the place of its first tile among the tiles of
+    ``counts`` of them, see :func:`build_tile_lists`) and the place of its first tile among the tiles of
     all blocks (``first_slots``, int32). A chunk of rows stores the k-th tile of its row r in
     slot ``first_slots[r] - first_slots[0] + k`` of its scratch (:meth:`rows`: ``first_slots[0]``
     is the chunk's first tile)."""
@@ -69,7 +69,7 @@ class TileLists:
     @staticmethod
     def of(flags: torch.Tensor) -> "TileLists":
         """The lists of ``flags`` (rows = vocabulary blocks), built once for every chunk."""
-        lists, counts = live_lists(flags)
+        lists, counts = build_tile_lists(flags)
         first_slots = torch.cumsum(counts, dim=0, dtype=torch.int32) - counts
         return TileLists(lists, counts, first_slots)
 
