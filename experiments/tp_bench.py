@@ -1,30 +1,45 @@
-"""Tensor-parallel loss benchmark: cce's vocabulary-parallel loss against PyTorch's loss_parallel.
+r"""Tensor-parallel loss benchmark: cce's vocabulary-parallel loss against PyTorch's loss_parallel.
 
     torchrun --nproc-per-node K -m experiments.tp_bench [--quick] [--shapes ...] [--tokens ...]
         [--methods ...] [--backend auto|nccl|gloo] [--warmup W] [--repeats R] [--out DIR]
+
+The run on two GPUs (NCCL) whose results are committed under results/tp (its console output
+kept as results/tp/tp_bench_tp2.log; ``--nproc-per-node 1`` redoes the TP 1 run the figure also
+draws):
+
+    torchrun --nproc-per-node 2 -m experiments.tp_bench \
+        --shapes gemma2_2b llama3_8b --out results/tp
 
 The tensor-parallel size is the world size K (``python -m experiments.tp_bench`` without
 torchrun: K = 1). Each rank holds its rows of the classifier (``torch.chunk``'s split, the one
 DTensor's ``Shard`` uses) and the same tokens: e and targets, bfloat16, from
 :func:`experiments.synthetic.lm_like_inputs` (a language model's softmax sparsity). Shapes:
 Gemma 2 2B (D 2304, V 256000) and Llama 3 8B (D 4096, V 128256), N = 8192 to 65536 tokens.
-Both methods compute the mean loss, e's full gradient (summed over the ranks) and the gradient of
-the rank's rows of c:
+Every method computes the mean loss, e's full gradient (summed over the ranks) and the gradient
+of the rank's rows of c:
 
 - ``cce``: ``cce.linear_cross_entropy(e, c_local, targets, vocab_parallel=...)``, default
   filter; dE is summed over the ranks in float32.
+- ``cce_dtensor``: the drop-in for loss_parallel, as tensor parallelism places the output layer:
+  c a DTensor sharded by vocabulary rows (``Shard(0)``, the rank's rows) on the 1-D mesh, e a
+  DTensor ``Replicate()`` on it, both leaves; ``cce.linear_cross_entropy(e, c, targets)`` with
+  its defaults finds the shard in c's placement and runs ``cce``'s call; the gradients are
+  DTensors placed as e and c.
 - ``loss_parallel``: the local logits ``e @ c_local.T`` as a DTensor sharded on the vocabulary
   (``Shard(1)``), upcast to float32 (as Hugging Face does), ``F.cross_entropy`` under
   ``torch.distributed.tensor.parallel.loss_parallel()``; dE all-reduced in bfloat16 (tensor
   parallelism's Partial -> Replicate).
 
 Per row: the slowest rank's median time of loss + gradients (CUDA events, after a barrier, W
-warm-up calls, median of R), each rank's peak memory above its inputs, and how far the two
-methods' results are apart. A row whose estimated memory exceeds what a rank has free is
-skipped (every rank decides alike). Before the timings, the agreement check: every rank's
-vocabulary-parallel results (loss, lse, dE, its rows of dC) against the unsharded call on the
-full classifier, bfloat16 with the default filter and float32 without, a quarter of the targets
-ignored.
+warm-up calls, median of R), each rank's peak memory above its inputs, and how far each cce
+method's results are from loss_parallel's (and cce_dtensor's from cce's: ``diff_cce``, 0 when
+the same kernels give the same bits, as in Triton's interpreter; on a GPU the forward's merge of
+log-sum-exps under a lock may differ in the last bits). A row whose estimated memory exceeds
+what a rank has free is skipped (every rank decides alike). Before the timings, the agreement
+check, bfloat16 with the default filter and float32 without, a quarter of the targets ignored:
+every rank's vocabulary-parallel results (loss, lse, dE, its rows of dC) against the unsharded
+call on the full classifier, and the DTensor call's (c split by DTensor's own
+``distribute_tensor``) against the ``VocabParallelOptions`` call's.
 
 Devices: rank r uses GPU ``LOCAL_RANK % device_count``, so with one GPU every rank shares GPU 0
 (use ``--backend gloo``, the default then: NCCL refuses two ranks on one GPU; the timings then
@@ -65,7 +80,11 @@ GB = 10**9  # the figure's unit, the README's
 DTYPE = torch.bfloat16
 TOKENS = (8192, 16384, 32768, 65536)
 QUICK_TOKENS = (48, 96)
-METHODS = ("cce", "loss_parallel")
+METHODS = ("cce", "cce_dtensor", "loss_parallel")
+REFERENCE = "loss_parallel"  # the methods' diff_* and speedup are against it
+# The later run on two GPUs, as the module's docstring gives it.
+TP_RUN = ("torchrun --nproc-per-node 2 -m experiments.tp_bench --shapes gemma2_2b llama3_8b "
+          "--out results/tp")
 # The agreement check runs on the first tokens of the smallest timed N, this many at most, with
 # this fraction of them ignored (target -100).
 CHECK_TOKENS = 4096
@@ -121,7 +140,8 @@ class Ranks:
         return gather_from_ranks(value, self.device)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser."""
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node K -m experiments.tp_bench",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,13 +162,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="skip the agreement check against the unsharded call")
     parser.add_argument("--out", type=Path, default=Path("scratch/tp_bench"),
                         help="folder for tp_bench_tp<K>.json and .md (default: scratch/tp_bench)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    command_line = parser()
+    args = command_line.parse_args(argv)
     shapes = args.shapes or (["quick"] if args.quick else list(FULL_SHAPES))
     tokens = sorted(args.tokens or (QUICK_TOKENS if args.quick else TOKENS))
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 10)
     if min(tokens) < 1 or warmup < 0 or repeats < 1:
-        parser.error("--tokens must be >= 1, --warmup >= 0 and --repeats >= 1")
+        command_line.error("--tokens must be >= 1, --warmup >= 0 and --repeats >= 1")
 
     ranks = _init_ranks(args.backend)
     if ranks.rank == 0 and kernels_interpreted():  # before any timing reaches the console
@@ -220,6 +245,34 @@ def _cce_step(ranks: Ranks, vocab_size: int) -> Callable[..., tuple[torch.Tensor
     return step
 
 
+def _cce_dtensor_step(ranks: Ranks, vocab_size: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    mesh = _mesh(ranks.device.type, ranks.world_size)
+
+    def step(e: torch.Tensor, c_local: torch.Tensor, targets: torch.Tensor):
+        # Leaves as a model's would be: c a parameter, e the last norm's output (the DTensors
+        # share the local tensors' memory). The gradients are DTensors placed as e and c.
+        e_dt, c_dt = _dtensor_leaves(mesh, e, c_local, vocab_size)
+        loss = cce.linear_cross_entropy(e_dt, c_dt, targets)
+        grad_e, grad_c = torch.autograd.grad(loss, (e_dt, c_dt))
+        return loss, grad_e.to_local(), grad_c.to_local()
+
+    return step
+
+
+def _dtensor_leaves(mesh, e: torch.Tensor, c_local: torch.Tensor, vocab_size: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """e as a DTensor ``Replicate()`` and the rank's rows of c as a DTensor ``Shard(0)`` (global
+    shape given: torch.chunk's split may be uneven, which ``from_local`` cannot infer), leaves
+    that require grad."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    dim = c_local.shape[1]
+    e_dt = DTensor.from_local(e.detach(), mesh, [Replicate()], run_check=False)
+    c_dt = DTensor.from_local(c_local.detach(), mesh, [Shard(0)], run_check=False,
+                              shape=(vocab_size, dim), stride=(dim, 1))
+    return e_dt.requires_grad_(), c_dt.requires_grad_()
+
+
 def _loss_parallel_step(ranks: Ranks, vocab_size: int) -> Callable[..., tuple[torch.Tensor, ...]]:
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
@@ -249,7 +302,7 @@ def _mesh(device_type: str, world_size: int) -> "torch.distributed.device_mesh.D
 def _estimated_peak_bytes(method: str, num_tokens: int, local_vocab: int, dim: int) -> int:
     """A generous estimate of a step's memory above its inputs (to skip what cannot fit)."""
     outputs = 2 * num_tokens * dim + 2 * local_vocab * dim
-    if method == "cce":
+    if method in ("cce", "cce_dtensor"):
         return outputs + 4 * num_tokens * dim + 256 * MIB  # + dE in float32, tables, buffers
     # Logits in bfloat16 and float32, the saved log-softmax, its float32 and bfloat16 gradient.
     return outputs + 16 * num_tokens * local_vocab
@@ -270,7 +323,8 @@ def _measure(ranks: Ranks, shape: Shape, e: torch.Tensor, c_local: torch.Tensor,
              repeats: int) -> list[dict[str, Any]]:
     """One row per method at this shape and number of tokens."""
     num_tokens = e.shape[0]
-    steps = {"cce": _cce_step, "loss_parallel": _loss_parallel_step}
+    steps = {"cce": _cce_step, "cce_dtensor": _cce_dtensor_step,
+             "loss_parallel": _loss_parallel_step}
     rows, results = [], {}
     budget = _memory_budget(ranks)
     for method in methods:
@@ -296,14 +350,20 @@ def _measure(ranks: Ranks, shape: Shape, e: torch.Tensor, c_local: torch.Tensor,
             results.pop(method, None)
         if ranks.rank == 0:
             print(f"{shape.name} N={num_tokens} {method}: {row}", file=sys.stderr)
-    if len(results) == 2:
-        cce_row, other_row = (rows[methods.index(method)] for method in METHODS)
-        (loss, grad_e, grad_c), (other_loss, other_e, other_c) = (results[method]
-                                                                  for method in METHODS)
-        cce_row["speedup"] = other_row["ms"] / cce_row["ms"]
-        cce_row["diff_loss"] = _relative_difference(loss, other_loss)
-        cce_row["diff_de"] = _relative_difference(grad_e, other_e)
-        cce_row["diff_dc"] = max(ranks.gather(_relative_difference(grad_c, other_c)))
+    for method in results:
+        row = rows[methods.index(method)]
+        if method != REFERENCE and REFERENCE in results:
+            (loss, grad_e, grad_c), (other_loss, other_e, other_c) = (results[method],
+                                                                      results[REFERENCE])
+            row["speedup"] = rows[methods.index(REFERENCE)]["ms"] / row["ms"]
+            row["diff_loss"] = _relative_difference(loss, other_loss)
+            row["diff_de"] = _relative_difference(grad_e, other_e)
+            row["diff_dc"] = max(ranks.gather(_relative_difference(grad_c, other_c)))
+        if method == "cce_dtensor" and "cce" in results:
+            # The same kernels on the same local tensors: 0 where they give the same bits.
+            row["diff_cce"] = max(ranks.gather(max(
+                _relative_difference(value, expected)
+                for value, expected in zip(results[method], results["cce"]))))
     return rows
 
 
@@ -335,11 +395,16 @@ def _peak_mib(ranks: Ranks, fn: Callable[[], Any]) -> Optional[float]:
 
 def _agreement(ranks: Ranks, shape: Shape, e: torch.Tensor, c_local: torch.Tensor,
                targets: torch.Tensor, num_tokens: int) -> list[dict[str, Any]]:
-    """The vocabulary-parallel call against the unsharded one on the full classifier (gathered
-    from the ranks' rows): the largest relative difference over the ranks of loss, lse, dE and
-    the rank's rows of dC."""
+    """Per dtype, two rows of the largest relative difference over the ranks of loss, lse, dE
+    and the rank's rows of dC: the vocabulary-parallel call (``VocabParallelOptions``) against
+    the unsharded one on the full classifier (gathered from the ranks' rows), and the DTensor
+    call (c split by ``distribute_tensor``, ``Shard(0)``) against the vocabulary-parallel
+    call."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
     full_c = _gather_rows(ranks, c_local.detach(), shape.vocab_size)
     start, stop = ranks.shard(shape.vocab_size)
+    mesh = _mesh(ranks.device.type, ranks.world_size)
     ignored = torch.rand(num_tokens, generator=torch.Generator().manual_seed(1)) < CHECK_IGNORED
     targets = torch.where(ignored.to(targets.device), -100, targets[:num_tokens])
     rows = []
@@ -348,14 +413,26 @@ def _agreement(ranks: Ranks, shape: Shape, e: torch.Tensor, c_local: torch.Tenso
         sharded = _loss_lse_grads(*inputs, filter_eps, start, stop)
         unsharded = _loss_lse_grads(*inputs, filter_eps)
         unsharded[-1] = unsharded[-1][start:stop]
-        row = {"shape": shape.description, "tokens": num_tokens,
-               "ignored": int(ignored.sum()), "dtype": str(dtype).removeprefix("torch."),
-               "filter_eps": filter_eps}
-        for name, value, expected in zip(("loss", "lse", "de", "dc"), sharded, unsharded):
-            row[name] = max(ranks.gather(_relative_difference(value, expected)))
-        rows.append(row)
-        if ranks.rank == 0:
-            print(f"agreement with the unsharded call: {row}", file=sys.stderr)
+        # DTensor's own split of the full classifier: it must be torch.chunk's, this rank's
+        # rows [start, stop) (an error on every rank otherwise, as each checks its own).
+        e_dt = distribute_tensor(inputs[0], mesh, [Replicate()])
+        c_dt = distribute_tensor(inputs[1], mesh, [Shard(0)])
+        split_ok = torch.equal(c_dt.to_local(), inputs[1][start:stop])
+        if not all(ranks.gather(float(split_ok))):
+            raise RuntimeError("DTensor's Shard(0) split of c is not torch.chunk's")
+        dtensor = _loss_lse_grads(e_dt, c_dt, targets, filter_eps)
+        for call, against, value, expected in (
+                ("vocab_parallel", "unsharded", sharded, unsharded),
+                ("dtensor", "vocab_parallel", dtensor, sharded)):
+            row = {"shape": shape.description, "tokens": num_tokens,
+                   "ignored": int(ignored.sum()), "dtype": str(dtype).removeprefix("torch."),
+                   "filter_eps": filter_eps, "call": call, "against": against}
+            for column, got, want in zip(("loss", "lse", "de", "dc"), value, expected):
+                row[column] = max(ranks.gather(_relative_difference(got, want)))
+            rows.append(row)
+            if ranks.rank == 0:
+                print(f"agreement, {row['call']} against {row['against']}: {row}",
+                      file=sys.stderr)
     return rows
 
 
@@ -363,7 +440,9 @@ def _loss_lse_grads(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, fil
                     start: Optional[int] = None, stop: Optional[int] = None
                     ) -> list[torch.Tensor]:
     """Loss, lse, dE and dC of the mean loss; vocabulary-parallel over c's rows [start, stop)
-    of the full c when they are given."""
+    of the full c when they are given. DTensors e (``Replicate()``) and c (``Shard(0)``): the
+    DTensor call, whose gradients must be DTensors placed as e and c; their local tensors are
+    returned."""
     e = e.detach().requires_grad_()
     vocab_parallel = None
     if start is not None:
@@ -371,7 +450,14 @@ def _loss_lse_grads(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, fil
     c = c.detach().requires_grad_()
     loss, lse = cce.linear_cross_entropy(e, c, targets, filter_eps=filter_eps, return_lse=True,
                                          vocab_parallel=vocab_parallel)
-    return [loss.detach(), lse.detach(), *torch.autograd.grad(loss, (e, c))]
+    grads = torch.autograd.grad(loss, (e, c))
+    for grad, tensor in zip(grads, (e, c)):
+        placements = getattr(tensor, "placements", None)
+        if getattr(grad, "placements", None) != placements:
+            raise RuntimeError(f"a gradient placed as {getattr(grad, 'placements', None)} for "
+                               f"a tensor placed as {placements}")
+    return [loss.detach(), lse.detach(),
+            *(grad.to_local() if hasattr(grad, "to_local") else grad for grad in grads)]
 
 
 def _gather_rows(ranks: Ranks, rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -404,9 +490,12 @@ def _write(ranks: Ranks, rows: list[dict[str, Any]], checks: list[dict[str, Any]
                  + (" (CUDA events)" if on_gpu else " (CPU smoke test)"),
         "memory": "peak MiB allocated by a rank during one call above its inputs (dE and dC "
                   "included); GPU only",
-        "speedup": "loss_parallel's time / cce's",
-        "diff_*": "||cce - loss_parallel|| / ||loss_parallel|| of the loss, dE and (largest "
+        "speedup": "loss_parallel's time / the method's",
+        "diff_*": "||method - loss_parallel|| / ||loss_parallel|| of the loss, dE and (largest "
                   "over the ranks) the rank's dC",
+        "diff_cce": "cce_dtensor against cce: the largest of the relative differences of the "
+                    "loss, dE and (over the ranks) dC; 0: the same bits (a GPU's forward may "
+                    "differ in the last bits)",
     }
     if on_gpu and ranks.ranks_per_gpu > 1:
         meta["shared_gpu"] = (f"{ranks.ranks_per_gpu} ranks share each GPU: the timings say "
@@ -416,7 +505,9 @@ def _write(ranks: Ranks, rows: list[dict[str, Any]], checks: list[dict[str, Any]
         add_sections(written, {"agreement": checks}, [
             "", "## Agreement with the unsharded call", "",
             "Largest relative difference over the ranks between the vocabulary-parallel call "
-            "and the unsharded call on the full classifier (dc: the rank's rows).", "",
+            "and the unsharded call on the full classifier, and between the DTensor call (c "
+            "sharded Shard(0) by distribute_tensor, e Replicate()) and the vocabulary-parallel "
+            "call (dc: the rank's rows).", "",
             *markdown_table(checks)])
 
 
@@ -440,16 +531,17 @@ def plot(out_dir: Path) -> None:
         color = colors[index % len(colors)]  # one color per tensor-parallel size
         size = run["meta"]["tp_size"]
         shared = " (ranks share a GPU)" if run["meta"].get("shared_gpu") else ""
-        for method, style in (("cce", "-"), ("loss_parallel", "--")):
+        for method, style, marker in (("cce", "-", "o"), ("cce_dtensor", ":", "^"),
+                                      ("loss_parallel", "--", "s")):
             for column, shape in enumerate(shapes):
                 rows = [row for row in run["rows"] if row["shape"] == shape
                         and row["method"] == method and "ms" in row]
                 if not rows:
                     continue
                 tokens = [row["tokens"] for row in rows]
-                shown = shown_method(method, run["environment"]) if method == "cce" else method
+                shown = (method if method == REFERENCE
+                         else shown_method(method, run["environment"]))
                 label = f"{shown}, TP {size}{shared}"
-                marker = "o" if method == "cce" else "s"
                 axes[0, column].plot(tokens, [row["ms"] for row in rows], style, marker=marker,
                                      color=color, label=label)
                 if all("peak_mib_max" in row for row in rows):
@@ -477,7 +569,8 @@ def plot(out_dir: Path) -> None:
             axis.grid(True, which="major", alpha=0.3)
             axis.legend(fontsize=10)
     environment = runs[-1]["environment"]
-    figure.suptitle(f"Vocabulary-parallel cce vs loss_parallel, bfloat16\n"
+    figure.suptitle(f"Vocabulary-parallel cce (local shard, DTensor) vs loss_parallel, "
+                    f"bfloat16\n"
                     f"{device_label(environment)}, {environment['date'][:10]}")
     figure.tight_layout()
     figure.savefig(out_dir / FIGURE, dpi=110)
