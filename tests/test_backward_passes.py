@@ -33,13 +33,17 @@ from tests.helpers import (Inputs, check, make_grad_output, make_inputs, peaked_
                            run_reference)
 from tests.reference import relative_error
 
-N = 261
+# Tokens: eight token blocks, the last one partial (pass 1's chunks of whole rows of the grid
+# hold 7 of them at D = two segments); SMALL_N: three, for the tests that need no more chunks.
+N = 229
+SMALL_N = 89
 
 
-def _shape(dtype: torch.dtype) -> "tuple[int, int]":
-    """(V, D): nine vocabulary blocks (the last one partial) and two segments per row of dC."""
+def _shape(dtype: torch.dtype, vocab_blocks: int = 5) -> "tuple[int, int]":
+    """(V, D): ``vocab_blocks`` vocabulary blocks (the last one partial) and two segments per
+    row of dC. (Five: pass 2 still takes two chunks of dC's rows, then the spare buffer.)"""
     block = kernel_configs(dtype).live_grid.block_vocab
-    return 9 * block - 30, 2 * block
+    return vocab_blocks * block - 30, 2 * block
 
 
 @pytest.fixture(autouse=True)
@@ -182,8 +186,8 @@ def test_whole_blocks_match_reference(dtype: torch.dtype, label_smoothing: float
 
     monkeypatch.setattr(cce.sparse_tile_matmul, "sparse_tile_matmul_kernel", Recorded())
     grid, width = configs.live_grid, configs.sparse_tile_matmul.block_out
-    inputs = make_inputs(gen, device, dtype, shape=(8 * grid.block_tokens,),
-                         vocab=9 * grid.block_vocab, dim=int(dim_in_widths * width))
+    inputs = make_inputs(gen, device, dtype, shape=(3 * grid.block_tokens,),
+                         vocab=3 * grid.block_vocab, dim=int(dim_in_widths * width))
     check("cce", inputs, gen, "mean", label_smoothing=label_smoothing)
     embeddings = [kw for kw in launches if not kw["TRANSPOSED"]]
     depth = configs.whole_block_embeddings_product.step_depth
@@ -243,7 +247,7 @@ def test_one_pass_matches_reference(dtype: torch.dtype, filter_eps: Optional[str
     one_pass = _spy(monkeypatch, "_one_pass_backward")
     embeddings_products = _spy(monkeypatch, "gradient_times_embeddings")
     classifier_chunks = _spy(monkeypatch, "gradient_times_classifier")
-    vocab, _ = _shape(dtype)
+    vocab, _ = _shape(dtype, 7)
     grid = kernel_configs(dtype).live_grid
     inputs = make_inputs(gen, device, dtype, shape=(2 * grid.block_tokens - 7,), vocab=vocab,
                          dim=4 * grid.block_vocab, bias=True, softcap=20.0)
@@ -295,7 +299,7 @@ def test_one_pass_chunks_write_only_rows_whose_tiles_were_read(spare_tiles: int,
 def test_one_frozen_input(frozen: str, device: str, gen: torch.Generator) -> None:
     """Only the gradient asked for is computed; without dC, pass 1 gets a buffer of its own."""
     vocab, dim = _shape(torch.float32)
-    inputs = make_inputs(gen, device, torch.float32, shape=(N,), vocab=vocab, dim=dim)
+    inputs = make_inputs(gen, device, torch.float32, shape=(SMALL_N,), vocab=vocab, dim=dim)
     grad_output = make_grad_output(gen, inputs, "sum")
     expected = run_reference(inputs, grad_output, reduction="sum")
     e = inputs.e.detach().requires_grad_(frozen != "e")
@@ -405,13 +409,16 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
     From the same forward, dC comes out identical to the bit. (The bounds are loosened by e^4,
     still sound, so that they surely leave more tiles live than the filter keeps.)"""
     listed = _spy(monkeypatch, "listed_gradient_tiles")
-    vocab, dim = _shape(torch.bfloat16)
-    e, c, targets = peaked_inputs(gen, device, N, vocab, dim)
+    # Nine token and nine vocabulary blocks: too many live tiles for the one pass, and enough
+    # of the vocabulary's tail for the bounds to leave more tiles live than the filter keeps.
+    num_tokens = 261
+    vocab, dim = _shape(torch.bfloat16, 9)
+    e, c, targets = peaked_inputs(gen, device, num_tokens, vocab, dim)
     e, c = e.bfloat16(), c.bfloat16()
     (_, lse, _, _, complement, positions, order, tile_bound, curvature_sum, row_sum,
      entropy_terms) = loss_forward(e, c, None, targets, None, None, 2.0**-12, True, True, 0.0,
                                    False, False, False, False, True, True)
-    grad_loss = torch.rand(N, generator=gen).to(device)
+    grad_loss = torch.rand(num_tokens, generator=gen).to(device)
 
     def grad_c(with_grad_e: bool) -> "tuple[torch.Tensor, int]":
         listed.clear()
@@ -447,7 +454,7 @@ def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
         monkeypatch.setattr(cce.backward, "_ONE_PASS_MIN_UTILIZATION", 0.0)
     one_pass = _spy(monkeypatch, "_one_pass_backward")
     by_tma = _spy(monkeypatch, "gradient_times_classifier_tma", cce.classifier_product)
-    vocab, _ = _shape(torch.bfloat16)
+    vocab, _ = _shape(torch.bfloat16, 9)
     tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7
     e, c, targets = peaked_inputs(gen, device, tokens, vocab, dim)
     e, c = e.bfloat16(), c.bfloat16()
