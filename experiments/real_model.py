@@ -11,10 +11,11 @@ final logit softcap, so ``logits = e @ c.T`` exactly with ``e`` the final-norm o
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -74,10 +75,37 @@ def load_model(device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> tupl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    check_tokenizer(tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    with _one_gguf_reading(path):
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        check_tokenizer(tokenizer)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=dtype)
     return model.to(device).eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _one_gguf_reading(path: Path) -> Iterator[None]:
+    """transformers reads the GGUF file three times for one model: for the tokenizer, the config
+    and the weights, each time parsing its metadata, 262k token strings among them (about 15 s
+    on one CPU core). In the block, those readings of ``path`` share one
+    ``gguf.GGUFReader``, which only reads the file."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[Path, Any] = {}
+
+    def reader(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or Path(file).resolve() != path.resolve():
+            return original(file, *args, **kwargs)
+        if path not in readers:
+            readers[path] = original(file)
+        return readers[path]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def check_tokenizer(tokenizer: Any) -> None:
