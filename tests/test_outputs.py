@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cce
-from tests.helpers import (INTERPRETER_NON_FINITE_WARNINGS, Inputs, assert_matches,
+from tests.helpers import (INTERPRETER_NON_FINITE_WARNINGS, V, Inputs, assert_matches,
                            confident_inputs, make_grad_output, make_inputs, peaked_inputs,
                            relative_error, run, run_reference, tolerances)
 from tests.reference import reference
@@ -58,7 +58,7 @@ def test_z_loss_adds_the_weighted_squared_lse(impl: str, reduction: str, device:
     cross-entropy (``mean`` over the summed weights), 0 at ignored tokens; with shift and a
     temperature."""
     inputs = make_inputs(gen, device, torch.float32, shape=(3, 13), z_loss=1e-2, shift=1,
-                         temperature=0.8, weight=torch.rand(1000, generator=gen).to(device))
+                         temperature=0.8, weight=torch.rand(V, generator=gen).to(device))
     grad_output = make_grad_output(gen, inputs, reduction)
     ours = run(impl, inputs, grad_output, reduction=reduction, filter_eps=None)
     ref = run_reference(inputs, grad_output, reduction=reduction)

@@ -23,8 +23,8 @@ from tests.helpers import Inputs, check, make_grad_output, run, run_reference
 from tests.reference import relative_error
 
 # Sizes that are multiples of no block (32 tokens x 128 vocab x 32 dims in Triton's interpreter),
-# smaller than tests/helpers.py's 1000 x 72 (8 x 3 blocks a token block): 3 x 2 blocks, for a
-# third of the time of each test here that runs the kernels.
+# smaller than tests/helpers.py's 600 x 72 (5 x 3 blocks a token block): 3 x 2 blocks, for a
+# fraction of the time of each test here that runs the kernels.
 V, D = 300, 40
 
 
