@@ -264,12 +264,25 @@ def shards_skip_negligible_tiles(rank: int, world_size: int) -> None:
     assert_matches(sharded, reference, "cce", torch.bfloat16, targets, "mean")
 
 
+def ranks_worker(rank: int, world_size: int) -> None:
+    """What the ranks of one spawn check, in order: the unsharded results
+    (matches_unsharded_worker), a DTensor classifier (dtensor_worker) and, with 3 ranks,
+    inconsistent ranges (bad_arguments_worker)."""
+    matches_unsharded_worker(rank, world_size)
+    dtensor_worker(rank, world_size)
+    if world_size == 3:
+        bad_arguments_worker(rank, world_size)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_rank_gets_the_unsharded_results(world_size: int, tmp_path: Path) -> None:
     """Every case of CASES, then the tile skipping of shards_skip_negligible_tiles, confident
     rows, the entropy and argmax (entropy_and_argmax_are_the_unsharded_ones) and, with 3 ranks,
-    an empty shard."""
-    run_ranks(matches_unsharded_worker, world_size, tmp_path, timeout_s=SPAWN_TIMEOUT_S)
+    an empty shard; then, in the same processes (each spawn starts as many Pythons that import
+    torch and cce), a classifier that is a DTensor sharded by rows is a vocab-parallel call
+    (dtensor_worker) and, with 3 ranks, inconsistent ranges raise on every rank
+    (bad_arguments_worker)."""
+    run_ranks(ranks_worker, world_size, tmp_path, timeout_s=SPAWN_TIMEOUT_S)
 
 
 # Ranges of 3 ranks that do not partition [0, V) in rank order, and the error every rank raises.
@@ -321,10 +334,6 @@ def bad_arguments_worker(rank: int, world_size: int) -> None:
                                          vocab_parallel=cce.VocabParallelOptions(start, stop))
     no_tokens.backward()
     assert no_tokens == 0 and torch.equal(c_local.grad, torch.zeros_like(c_local))
-
-
-def test_inconsistent_ranges_raise_on_every_rank(tmp_path: Path) -> None:
-    run_ranks(bad_arguments_worker, 3, tmp_path, timeout_s=SPAWN_TIMEOUT_S)
 
 
 def test_options_are_checked_before_any_collective() -> None:
@@ -383,9 +392,3 @@ def dtensor_worker(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match=r"c is a DTensor placed as Shard\(dim=1\)"):
         cce.linear_cross_entropy(distribute_tensor(e, mesh, [Replicate()]),
                                  distribute_tensor(c, mesh, [Shard(1)]), targets)
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_a_dtensor_classifier_sharded_by_rows_is_a_vocab_parallel_call(
-        world_size: int, tmp_path: Path) -> None:
-    run_ranks(dtensor_worker, world_size, tmp_path, timeout_s=SPAWN_TIMEOUT_S)
