@@ -426,7 +426,7 @@ def _live_tiles_in_slots(live_tiles: Optional[torch.Tensor], whole_rows_chunk: i
     hold many tokens (:func:`cce.config.slot_chunk_tokens`). The host reads the rows' live
     counts, so not where it must not wait. Slot chunks follow the live tiles, and with them the
     product's splits and the order of its float32 sums: in deterministic mode the live tiles
-    are a function of the inputs (:func:`cce.lse_forward.lse_forward`)."""
+    are a function of the inputs (:func:`cce.forward.lse_forward.lse_forward`)."""
     return (live_tiles is not None and whole_rows_chunk < num_token_blocks
             and whole_rows_chunk * block_tokens < slot_chunk_tokens()
             and host_may_sync(live_tiles.device))

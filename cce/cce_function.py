@@ -21,11 +21,11 @@ import triton
 from cce.backward import BackwardRequest, CorrectionInputs, linear_cross_entropy_backward
 from cce.config import check_interpreter_usable, kernel_configs
 from cce.gradient_tiles import RecomputeInputs
-from cce.indexed_dot import indexed_dot
-from cce.lse_forward import lse_forward
+from cce.forward.indexed_dot import indexed_dot
+from cce.forward.lse_forward import lse_forward
 from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
 from cce.live_tiles import live_tiles
-from cce.vocab_order import sort_vocabulary, target_positions
+from cce.forward.vocab_order import sort_vocabulary, target_positions
 from cce.weighting import (EntropyTerm, LossWeighting, RankOneTerm, TokenOutputs,
                            argmax_or_none, entropy_and_gradient_terms, lse_and_cross_entropy,
                            target_complement, target_entry)
@@ -38,11 +38,11 @@ class ForwardResults(NamedTuple):
     """What the forward's kernels produce (:func:`forward_kernels`)."""
 
     order: Optional[torch.Tensor]  # int32 (V,) vocabulary order
-    target_positions: torch.Tensor  # int32 (N,), see cce.vocab_order.target_positions
+    target_positions: torch.Tensor  # int32 (N,), see cce.forward.vocab_order.target_positions
     lse: torch.Tensor  # float32 (N,)
     cross_entropy: torch.Tensor  # float32 (N,): L - z_y (cce.weighting.lse_and_cross_entropy)
     target_complement: torch.Tensor  # float32 (N,): 1 - p_y (cce.weighting.target_complement)
-    tile_bound: Optional[torch.Tensor]  # float32 live-grid table, see cce.lse_forward
+    tile_bound: Optional[torch.Tensor]  # float32 live-grid table, see cce.forward.lse_forward
     classifier_row_sum: Optional[torch.Tensor]  # float32 (D,) c.sum(0), read with the order
     entropy: Optional[torch.Tensor] = None  # float32 (N,)
     # float32 (2, N): the mean logit mu and p_y (z_y - mu) (0 without a target), for the
@@ -65,7 +65,7 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
     of the rows of ``c``, from the same read, for the backward's mass correction. ``entropy``,
     ``argmax``: also each row's entropy (and what its gradient needs) and argmax. ``logit_sum``,
     ``curvature_sum``, ``class_weight``, ``deterministic``, ``may_copy_classifier``: see
-    :func:`cce.lse_forward.lse_forward`."""
+    :func:`cce.forward.lse_forward.lse_forward`."""
     order = row_sum = None
     if records_bounds and vocab_sorting:
         order, row_sum = sort_vocabulary(e, c, bias, targets)
@@ -100,7 +100,7 @@ def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: tor
                     filter_eps: float) -> torch.Tensor:
     """The table of the live-grid tiles that the backward recomputes (:func:`cce.live_tiles`):
     those the forward's bounds cannot prove negligible. ``positions``: see
-    :func:`cce.vocab_order.target_positions`."""
+    :func:`cce.forward.vocab_order.target_positions`."""
     grid = kernel_configs(dtype).live_grid
     return live_tiles(tile_bound, lse, prob_scale, positions, grid.block_tokens,
                       grid.block_vocab, filter_eps)
@@ -128,7 +128,7 @@ def _sums_curvature(softcap: Optional[float], label_smoothing: float, needs_grad
 
 def _may_copy_classifier(e: torch.Tensor, needs_grad: bool, grad_c_follows: bool) -> bool:
     """Whether the forward may hold a copy of ``c`` while its kernel runs
-    (:func:`cce.lse_forward.classifier_by_position`): where the backward that follows takes as
+    (:func:`cce.forward.lse_forward.classifier_by_position`): where the backward that follows takes as
     much memory anyway, so that a training step's peak does not grow. That is dC; without dC,
     the dE-only backward's buffer, as large as ``c`` from D tokens on
     (:func:`cce.backward._embeddings_pass_scratch`)."""
@@ -157,7 +157,7 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
     ``grad_c_follows``: that backward computes dC (see :func:`_may_copy_classifier`);
     ``filter_correction`` and ``keep_tiles`` are the backward's (see :func:`loss_backward`);
-    ``deterministic``: see :func:`cce.lse_forward.lse_forward`."""
+    ``deterministic``: see :func:`cce.forward.lse_forward.lse_forward`."""
     check_interpreter_usable()
     logit_sum = (torch.zeros(targets.shape, dtype=torch.float32, device=e.device)
                  if label_smoothing else None)

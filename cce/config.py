@@ -104,7 +104,7 @@ _GPU_32BIT = KernelConfigs(
 _FORWARD_PROGRAMS_PER_SM = 8
 # The forward copies c into position order (for tile products by tensor descriptor) from this
 # many tokens: the copy costs about as much as it saves at 2048 on an H200
-# (cce.lse_forward.classifier_by_position).
+# (cce.forward.lse_forward.classifier_by_position).
 _COPY_CLASSIFIER_MIN_TOKENS = 4096
 # Deterministic mode's bounds read the LSE of the head of the vocabulary order, computed first in
 # a launch of its own, instead of other programs' merges: this many forward tiles (8192

@@ -131,7 +131,7 @@ def gradient_tiles_kernel(
 
 class RecomputeInputs(NamedTuple):
     """What recomputing a tile of ``G`` reads, the same in every pass. ``target_positions``:
-    see :func:`cce.vocab_order.target_positions`; ``prob_scale``: each row's weight of the
+    see :func:`cce.forward.vocab_order.target_positions`; ``prob_scale``: each row's weight of the
     softmax (:mod:`cce.weighting`); ``target_entry``: each row's gradient at its target
     (:func:`cce.weighting.target_entry`); ``filter_eps``: the
     exact filter's threshold (None: store every recomputed tile); ``rank_one``: the gradient's

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from cce import baselines
-from cce.chunked_torch import chunked_torch_loss
+from cce.reference import baselines
+from cce.reference.chunked_torch import chunked_torch_loss
 from cce.config import KERNEL_DTYPES, kernels_take
 from cce.host_copy import start_host_copy
 from cce.options import IMPLEMENTATION_NAMES, LossOptions

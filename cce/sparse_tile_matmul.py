@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from cce import classifier_product
-from cce.classifier_sums import classifier_sums
+from cce.forward.classifier_sums import classifier_sums
 from cce.config import dot_precision, kernel_configs, split_count
 from cce.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.tile_lists import TileLists, build_tile_lists

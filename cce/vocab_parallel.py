@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
-from cce.baselines import materialized_logits
+from cce.reference.baselines import materialized_logits
 from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
 from cce.config import check_interpreter_usable, kernels_take
 from cce.weighting import (EntropyTerm, GradientScales, TokenOutputs, argmax_or_none,
@@ -238,9 +238,9 @@ class VocabParallelFunction(torch.autograd.Function):
                 targets: torch.Tensor, local_targets: torch.Tensor, options: "LossOptions",
                 needs_grad: bool):
         from cce.cce_function import uses_filter_correction
-        from cce.indexed_dot import indexed_dot
-        from cce.lse_forward import lse_forward
-        from cce.vocab_order import sort_vocabulary, target_positions
+        from cce.forward.indexed_dot import indexed_dot
+        from cce.forward.lse_forward import lse_forward
+        from cce.forward.vocab_order import sort_vocabulary, target_positions
 
         group, softcap, filter_eps = (options.vocab_parallel.group, options.softcap,
                                       options.filter_eps)

@@ -14,7 +14,7 @@ Measured:
 2. The fraction of softmax entries >= eps, and their number per row.
 3. The fraction of live tiles (tiles holding an entry >= eps, which the backward must compute)
    for square tiles of 16 to 256 tokens x as many vocabulary entries, in the natural vocabulary
-   order and sorted by average logit (``cce.vocab_order.vocab_order``). Square tiles: the paper's
+   order and sorted by average logit (``cce.forward.vocab_order.vocab_order``). Square tiles: the paper's
    Alg. 3 tiles both dimensions, and 128 x 128 is exactly the live-tile grid of cce's backward
    for 16-bit inputs on GPU (``cce.config``); the sweep shows how quickly sparsity is lost as
    tiles grow. At 128 x 128 also cce's own table (``cce.live_tiles.live_tiles``: the forward's
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from cce.live_tiles import live_tiles
-from cce.vocab_order import target_positions, vocab_order
+from cce.forward.vocab_order import target_positions, vocab_order
 from experiments.alpaca_data import IGNORE_INDEX, add_data_argument
 from experiments.harness import (DEVICE, WrittenResults, add_run_arguments, device_name, finish,
                                  run_experiment, run_mode, write_results)
@@ -297,7 +297,7 @@ def run(quick: bool, out_dir: Path, data_path: Path | None = None,
                "float32",
         "tiles": "square: tile tokens = tile vocabulary entries, consecutive rows of each group; "
                  "live = holds a softmax entry >= eps; sorted = vocabulary by decreasing average "
-                 f"logit (cce.vocab_order.vocab_order); {CCE_TILE}x{CCE_TILE} is cce's live grid "
+                 f"logit (cce.forward.vocab_order.vocab_order); {CCE_TILE}x{CCE_TILE} is cce's live grid "
                  "on GPU",
         **{f"{group} tokens": _describe(summary(sparsity, group)) for group in GROUPS},
         "prompt-masked batch": _describe_masked(sparsity),

@@ -19,7 +19,7 @@ frequent tokens that every row shares plus tokens of its own, with a light tail;
   (0: ids in frequency order, as in a BPE vocabulary's first merges; large: random ids). The
   model is built in rank order and the ids only renumber it, so ``id_shuffle`` moves entries
   between tiles in id order and changes nothing else, but for the order of ties in
-  :func:`cce.vocab_order.vocab_order`'s bfloat16 average logits.
+  :func:`cce.forward.vocab_order.vocab_order`'s bfloat16 average logits.
 - Each row has ``candidates`` tokens of its own (its next-token guesses), drawn with
   probability proportional to ``rank^-candidate_exponent`` (frequent words more often, but
   spread over the whole vocabulary), each boosted by ``candidate_boost * s_ij``, ``s_ij``
@@ -44,7 +44,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from cce.vocab_order import vocab_order
+from cce.forward.vocab_order import vocab_order
 from experiments.harness import DEVICE
 
 STATISTICS = ("entries_per_row", "tiles_nonempty", "tiles_nonempty_sorted", "mass_above_eps")
@@ -126,7 +126,7 @@ def sparsity_statistics(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     - ``entries_per_row``: mean number of softmax entries >= ``eps`` per row;
     - ``tiles_nonempty``: fraction of ``tile`` x ``tile`` blocks of the softmax (rows in order,
       ignored rows left out; vocabulary in id order) that hold one or more such entries;
-    - ``tiles_nonempty_sorted``: the same with the vocabulary in :func:`cce.vocab_order.vocab_order`
+    - ``tiles_nonempty_sorted``: the same with the vocabulary in :func:`cce.forward.vocab_order.vocab_order`
       order, the order CCE's backward walks; a tile with no entry >= eps is one it can skip;
     - ``mass_above_eps``: mean over rows of the softmax probability that the row's entries
       >= ``eps`` hold; the rest is what skipping the tiles without such entries can drop.

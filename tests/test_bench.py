@@ -154,7 +154,7 @@ def test_the_committed_figure_reads_on_a_laptop_screen() -> None:
 
 
 def test_sparsity_statistics_match_brute_force() -> None:
-    from cce.vocab_order import vocab_order
+    from cce.forward.vocab_order import vocab_order
     from experiments.synthetic import lm_like_inputs, sparsity_statistics
 
     tile = 8  # small: at this vocabulary size every 128 x 128 tile holds an entry

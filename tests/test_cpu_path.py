@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cce
-from cce import chunked_torch
+from cce.reference import chunked_torch
 from cce.config import interpreting
 from tests.helpers import (DTYPE_IDS, DTYPES, N, V, Inputs, make_grad_output, make_inputs, run,
                            run_reference)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from cce.config import deterministic_head_blocks, kernel_configs
-from cce.indexed_dot import indexed_dot
-from cce.lse_forward import lse_forward
+from cce.forward.indexed_dot import indexed_dot
+from cce.forward.lse_forward import lse_forward
 from cce.live_tiles import live_tiles
-from cce.vocab_order import target_positions, vocab_order
+from cce.forward.vocab_order import target_positions, vocab_order
 from tests.helpers import INTERPRETER_NON_FINITE_WARNINGS, peaked_inputs
 
 N, V, D = 45, 1500, 40  # not multiples of any block size
@@ -306,8 +306,8 @@ def test_a_training_call_reads_c_once_for_the_order_and_the_mean_row(
     one read of c, in the forward; without sorting, the backward reads c for the mean row."""
     import cce
     import cce.sparse_tile_matmul
-    import cce.vocab_order
-    from cce.classifier_sums import classifier_sums
+    import cce.forward.vocab_order
+    from cce.forward.classifier_sums import classifier_sums
 
     calls = []
 
@@ -315,7 +315,7 @@ def test_a_training_call_reads_c_once_for_the_order_and_the_mean_row(
         calls.append(len(args) + len(kwargs))
         return classifier_sums(*args, **kwargs)
 
-    monkeypatch.setattr(cce.vocab_order, "classifier_sums", counted)
+    monkeypatch.setattr(cce.forward.vocab_order, "classifier_sums", counted)
     monkeypatch.setattr(cce.sparse_tile_matmul, "classifier_sums", counted)
     e, c, targets = peaked_inputs(gen, device, N, V, D)
     e.requires_grad_()
@@ -337,22 +337,22 @@ def test_forward_copies_c_in_position_order_only_into_memory_the_backward_takes(
     to the bit."""
     import cce
     import cce.config
-    import cce.lse_forward
+    import cce.forward.lse_forward
 
     monkeypatch.setattr(cce.config, "_COPY_CLASSIFIER_MIN_TOKENS", 0)  # small N on a GPU too
     e, c, targets = peaked_inputs(gen, device, N, V, D)
     e, c = e.bfloat16(), c.bfloat16()
-    if not cce.lse_forward._descriptor_ready(e):
+    if not cce.forward.lse_forward._descriptor_ready(e):
         pytest.skip("tensor descriptors need a Hopper GPU or the interpreter")
     read = []
-    by_position = cce.lse_forward.classifier_by_position
+    by_position = cce.forward.lse_forward.classifier_by_position
 
     def spy(e_, c_, order, may_copy):
         rows = by_position(e_, c_, order, may_copy)
         read.append("gather" if rows is None else "c" if rows is c_ else "copy")
         return rows
 
-    monkeypatch.setattr(cce.lse_forward, "classifier_by_position", spy)
+    monkeypatch.setattr(cce.forward.lse_forward, "classifier_by_position", spy)
 
     def loss_and_gradients(tokens: int = N, frozen_c: bool = False):
         e_, c_ = e[:tokens].clone().requires_grad_(), c.clone().requires_grad_(not frozen_c)
@@ -367,7 +367,7 @@ def test_forward_copies_c_in_position_order_only_into_memory_the_backward_takes(
     with torch.no_grad():
         cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
     assert read == ["copy", "copy", "gather", "c"]
-    monkeypatch.setattr(cce.lse_forward, "classifier_by_position", lambda *args: None)
+    monkeypatch.setattr(cce.forward.lse_forward, "classifier_by_position", lambda *args: None)
     gathered = loss_and_gradients()
     for by_copy, by_gather in zip(copied, gathered):
         assert torch.equal(by_copy, by_gather)

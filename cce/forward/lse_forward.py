@@ -417,7 +417,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 may_copy_classifier: bool = False,
                 ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
     """float32 (N,) log-sum-exp of every row and, when ``target_logit`` (float32 (N,), from
-    :func:`cce.indexed_dot.indexed_dot`) is given, the float32 table of log-probability bounds
+    :func:`cce.forward.indexed_dot.indexed_dot`) is given, the float32 table of log-probability bounds
     of the live-tile grid (in ``vocab_order``): every softmax entry of a tile on a non-ignored
     row (``targets >= 0``) is at most exp(its bound); -inf where a tile has no such row.
 

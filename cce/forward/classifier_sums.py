@@ -2,7 +2,7 @@
 sum of the rows.
 
 A training call needs both, and each reads all of ``c`` (V x D, the largest input): the
-vocabulary order ranks rows by ``c_v . mean(e)`` (:mod:`cce.vocab_order`), and the backward's
+vocabulary order ranks rows by ``c_v . mean(e)`` (:mod:`cce.forward.vocab_order`), and the backward's
 mass correction adds back what the filter dropped along the mean row of ``c``
 (:class:`cce.sparse_tile_matmul.FilterCorrection`). One pass gives both.
 

@@ -6,7 +6,7 @@ matrix-vector product, cheap enough to run *before* the forward, so that the for
 sorted vocabulary too and its per-tile bounds describe the backward's tiles. (With a softcap
 the order is that of the pre-cap average: the cap is monotone, and the order only changes speed.)
 The same read of ``c`` sums its rows, which the backward's mass correction needs
-(:mod:`cce.classifier_sums`).
+(:mod:`cce.forward.classifier_sums`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from cce.classifier_sums import classifier_sums
+from cce.forward.classifier_sums import classifier_sums
 
 
 class SortedVocabulary(NamedTuple):
