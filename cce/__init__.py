@@ -18,7 +18,7 @@ if interpreting():
             stacklevel=2,
         )
 
-from cce.vocab_parallel import VocabParallelOptions
+from cce.options import VocabParallelOptions
 
 __all__ = ["IMPLEMENTATIONS", "LinearCrossEntropy", "VocabParallelOptions",
            "linear_cross_entropy"]

@@ -18,13 +18,52 @@ from typing import Literal, Optional, Union
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from cce.vocab_parallel import VocabParallelOptions, check_options as check_vocab_parallel
-
+VOCAB_PARALLEL_IMPLS = ("cce", "torch")
 IMPLEMENTATION_NAMES = ("cce", "cce_torch", "torch", "torch_compile", "chunked")
 REDUCTIONS = ("mean", "sum", "none")
 _INTEGERS = (int, np.integer)  # numpy integer scalars too, as F.cross_entropy accepts
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass(frozen=True)
+class VocabParallelOptions:
+    """This rank's shard of a vocabulary-parallel classifier, for
+    :func:`cce.linear_cross_entropy`'s ``vocab_parallel``.
+
+    Args:
+        start, stop: the rank holds rows ``[start, stop)`` of the full classifier (and bias).
+            The ranks' ranges must partition ``[0, V)`` in rank order; sizes may differ.
+        group: the process group of the ranks that hold the shards (None: the default group).
+    """
+
+    start: int
+    stop: int
+    group: Optional[dist.ProcessGroup] = None
+
+    def __post_init__(self) -> None:
+        # Only types here: ranges are checked against every rank's (check_shards), so that
+        # every rank raises.
+        for name in ("start", "stop"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"VocabParallelOptions.{name} must be an int, got {value!r}")
+
+
+def check_vocab_parallel(vocab_parallel: Optional[VocabParallelOptions], impl: str) -> None:
+    """The checks that need no other rank: the type of ``vocab_parallel`` and the impl."""
+    if vocab_parallel is None:
+        return
+    if not isinstance(vocab_parallel, VocabParallelOptions):
+        raise ValueError(f"vocab_parallel must be None or a cce.VocabParallelOptions, got "
+                         f"{type(vocab_parallel).__name__}")
+    if impl not in VOCAB_PARALLEL_IMPLS:
+        raise ValueError(f"impl must be one of {VOCAB_PARALLEL_IMPLS} with vocab_parallel, got "
+                         f"{impl!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("vocab_parallel needs torch.distributed to be initialized "
+                         "(torch.distributed.init_process_group)")
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,7 @@ checks the same list: inconsistent ranges raise the same ValueError on every ran
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,59 +36,17 @@ import torch.distributed as dist
 from cce.reference.baselines import materialized_logits
 from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
 from cce.config import check_interpreter_usable, kernels_take
+from cce.options import LossOptions, VocabParallelOptions
 from cce.weighting import (EntropyTerm, GradientScales, TokenOutputs, argmax_or_none,
                            entropy_and_gradient_terms, entropy_of_parts, lse_and_cross_entropy,
                            target_complement, target_entry)
-
-if TYPE_CHECKING:
-    from cce.options import LossOptions
 
 # The kernels' modules (which import Triton) are imported where the kernels run: the options,
 # the checks and impl="torch" need no Triton.
 
 # The implementations that run vocabulary-parallel: the kernels, and materialized local logits
 # (a reference whose backward is autograd's).
-VOCAB_PARALLEL_IMPLS = ("cce", "torch")
 _NO_INDEX = torch.iinfo(torch.int64).max  # a shard's argmax where it holds no rows
-
-
-@dataclass(frozen=True)
-class VocabParallelOptions:
-    """This rank's shard of a vocabulary-parallel classifier, for
-    :func:`cce.linear_cross_entropy`'s ``vocab_parallel``.
-
-    Args:
-        start, stop: the rank holds rows ``[start, stop)`` of the full classifier (and bias).
-            The ranks' ranges must partition ``[0, V)`` in rank order; sizes may differ.
-        group: the process group of the ranks that hold the shards (None: the default group).
-    """
-
-    start: int
-    stop: int
-    group: Optional[dist.ProcessGroup] = None
-
-    def __post_init__(self) -> None:
-        # Only types here: ranges are checked against every rank's (check_shards), so that
-        # every rank raises.
-        for name in ("start", "stop"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"VocabParallelOptions.{name} must be an int, got {value!r}")
-
-
-def check_options(vocab_parallel: Optional[VocabParallelOptions], impl: str) -> None:
-    """The checks that need no other rank: the type of ``vocab_parallel`` and the impl."""
-    if vocab_parallel is None:
-        return
-    if not isinstance(vocab_parallel, VocabParallelOptions):
-        raise ValueError(f"vocab_parallel must be None or a cce.VocabParallelOptions, got "
-                         f"{type(vocab_parallel).__name__}")
-    if impl not in VOCAB_PARALLEL_IMPLS:
-        raise ValueError(f"impl must be one of {VOCAB_PARALLEL_IMPLS} with vocab_parallel, got "
-                         f"{impl!r}")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("vocab_parallel needs torch.distributed to be initialized "
-                         "(torch.distributed.init_process_group)")
 
 
 def local_tensors(e, c, targets, bias, vocab_parallel: Optional[VocabParallelOptions]):
@@ -202,7 +159,7 @@ def check_shards(vocab_parallel: VocabParallelOptions, e: torch.Tensor, c: torch
 
 
 def vocab_parallel_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                        bias: Optional[torch.Tensor], options: "LossOptions",
+                        bias: Optional[torch.Tensor], options: LossOptions,
                         ) -> "tuple[torch.Tensor, torch.Tensor]":
     """Per-token loss and log-sum-exp of the whole vocabulary, float32 (N,), the same on every
     rank; the canonical signature of :mod:`cce.loss` (``targets``: global ids, -1 = ignored),
@@ -235,7 +192,7 @@ class VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
-                targets: torch.Tensor, local_targets: torch.Tensor, options: "LossOptions",
+                targets: torch.Tensor, local_targets: torch.Tensor, options: LossOptions,
                 needs_grad: bool):
         from cce.cce_function import uses_filter_correction
         from cce.forward.indexed_dot import indexed_dot
@@ -352,7 +309,7 @@ class VocabParallelFunction(torch.autograd.Function):
 
 def _materialized_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                        local_targets: torch.Tensor, bias: Optional[torch.Tensor],
-                       options: "LossOptions", group: Optional[dist.ProcessGroup]
+                       options: LossOptions, group: Optional[dist.ProcessGroup]
                        ) -> TokenOutputs:
     """impl="torch": the shard's logits materialized, and autograd for the backward. As in the
     kernels, the shards' LSEs are of the logits off the target (cce.weighting), so that autograd

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import cce
 import cce.cce_function
-from cce.vocab_parallel import VOCAB_PARALLEL_IMPLS
+from cce.options import VOCAB_PARALLEL_IMPLS
 from tests.distributed import rank_device, run_ranks
 from tests.helpers import (Inputs, assert_matches, confident_inputs, make_grad_output,
                            make_inputs, peaked_inputs, run, run_reference)
