@@ -170,8 +170,10 @@ def lse_forward_kernel(
     best_value = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
     best_index = tl.full((BLOCK_TOKENS,), ARGMAX_NONE, dtype=tl.int32)
     # Flattened over descriptor tiles, Triton pipelines the next tile's loads across the loop's
-    # end (docs/notes/forward.md): the body then may hold no runtime branch.
-    for vocab_block in tl.range(first_vocab_block, last_vocab_block, flatten=BY_DESCRIPTOR):
+    # end (docs/notes/forward.md): the body then may hold no runtime branch. Not with the
+    # argmax: the next tile's registers and the argmax's spill.
+    FLATTEN: tl.constexpr = BY_DESCRIPTOR and not ARGMAX
+    for vocab_block in tl.range(first_vocab_block, last_vocab_block, flatten=FLATTEN):
         vocab, vocab_mask = vocab_block_entries(vocab_order_ptr, vocab_block,
                                                 tl.arange(0, BLOCK_VOCAB), vocab_size,
                                                 BLOCK_VOCAB, SORTED)
