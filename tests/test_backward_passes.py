@@ -24,7 +24,8 @@ import cce.classifier_product
 import cce.config
 import cce.sparse_tile_matmul
 from cce.cce_function import loss_backward, loss_forward
-from cce.forward.classifier_sums import classifier_sums, classifier_sums_by_kernel
+from cce.forward.classifier_sums import (classifier_sums, classifier_sums_by_kernel,
+                                         classifier_sums_by_torch)
 from cce.config import kernel_configs
 from cce.host_copy import start_host_copy
 from cce.tile_lists import build_tile_lists
@@ -385,15 +386,11 @@ def test_classifier_sums_kernel_gives_both_sums_from_one_read(dtype: torch.dtype
             assert torch.equal(classifier_sums(c, vector).dots, dots)
 
 
-def test_classifier_sums_of_a_cpu_classifier(gen: torch.Generator,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_classifier_sums_of_a_cpu_classifier(gen: torch.Generator) -> None:
     """A CPU c: the same float32 sums, from PyTorch, a block of rows at a time."""
-    import cce.forward.classifier_sums
-
-    monkeypatch.setattr(cce.forward.classifier_sums, "_TORCH_ROWS", 100)
     c = torch.randn(333, 201, generator=gen).bfloat16()
     vector = torch.randn(201, generator=gen).bfloat16()
-    dots, row_sum = classifier_sums(c, vector)
+    dots, row_sum = classifier_sums_by_torch(c, vector, block_rows=100)
     assert dots.dtype == row_sum.dtype == torch.float32 and dots.shape == (333,)
     assert relative_error(dots, c.double() @ vector.double()) < 1e-6
     assert relative_error(row_sum, c.double().sum(0)) < 1e-6
