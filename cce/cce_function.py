@@ -131,7 +131,7 @@ def _may_copy_classifier(e: torch.Tensor, needs_grad: bool, grad_c_follows: bool
     (:func:`cce.forward.lse_forward.classifier_by_position`): where the backward that follows takes as
     much memory anyway, so that a training step's peak does not grow. That is dC; without dC,
     the dE-only backward's buffer, as large as ``c`` from D tokens on
-    (:func:`cce.backward._embeddings_pass_scratch`)."""
+    (:func:`cce.backward_plan._pass_one_buffer`)."""
     return needs_grad and (grad_c_follows or e.shape[0] >= e.shape[1])
 
 

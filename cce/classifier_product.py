@@ -29,14 +29,17 @@ everything else. It pays at every benchmark shape and batch size measured, from 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import triton
 
-from cce.config import interpreting, kernel_configs, tma_copies_rows
+from cce.config import KernelConfig, interpreting, tma_copies_rows
 from cce.tile_lists import TileLists
 from cce.scratch import Scratch
+
+if TYPE_CHECKING:
+    from cce.sparse_tile_matmul import ProductSettings
 
 try:
     from triton.experimental import gluon
@@ -58,20 +61,23 @@ _PRODUCER_REGISTERS = 88
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this kernel runs for inputs of ``dtype`` on ``device``: a Hopper GPU, Triton 3.6
     (not its interpreter) and 16-bit inputs."""
-    return (kernel_configs(dtype).classifier_product.step_depth > 0 and gluon is not None
-            and not interpreting() and triton.__version__.startswith(_TRITON_VERSIONS)
+    return (gluon is not None and not interpreting()
+            and triton.__version__.startswith(_TRITON_VERSIONS)
             and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
             and dtype in (torch.bfloat16, torch.float16))
 
 
-def usable(e: torch.Tensor, scratch: Scratch, grad_bias: Optional[torch.Tensor],
-           has_rank_one: bool) -> bool:
-    """Whether this kernel can compute the dC product of these operands."""
-    return (available(e.device, e.dtype) and grad_bias is None and not has_rank_one
-            and tma_copies_rows(e)
+def usable(e: torch.Tensor, config: KernelConfig, grad_bias: Optional[torch.Tensor],
+           has_rank_one: bool, pages: Optional[torch.Tensor]) -> bool:
+    """Whether this kernel can compute the dC product of these operands, where ``config`` (its
+    :attr:`cce.config.KernelConfigs.classifier_product`) uses it. ``pages``: the matrix whose
+    rows hold the stored tiles (dC), None where they are in buffers of their own (whose
+    segments, fresh allocations of 128 entries, are aligned)."""
+    return (config.step_depth > 0 and available(e.device, e.dtype) and grad_bias is None
+            and not has_rank_one and tma_copies_rows(e)
             # cp.async: the stored tiles in 16-byte segments.
-            and scratch.buffer.data_ptr() % 16 == 0
-            and (scratch.page_stride * scratch.buffer.element_size()) % 16 == 0)
+            and (pages is None or (pages.data_ptr() % 16 == 0
+                                   and (pages.shape[1] * pages.element_size()) % 16 == 0)))
 
 
 if gluon is not None:
@@ -214,11 +220,10 @@ if gluon is not None:
 def gradient_times_classifier_tma(scratch: Scratch, tile_lists: TileLists, e: torch.Tensor,
                                   vocab_order: Optional[torch.Tensor], grad_c: torch.Tensor,
                                   vocab_blocks: range, chunk_slots: bool,
-                                  block_out: int) -> None:
+                                  settings: "ProductSettings") -> None:
     """As :func:`cce.sparse_tile_matmul.gradient_times_classifier` without a bias gradient or
-    rank-one term; the caller checked :func:`usable`."""
-    configs = kernel_configs(e.dtype)
-    config, block = configs.classifier_product, configs.live_grid.block_tokens
+    rank-one term; the plan checked :func:`usable`."""
+    config, block, block_out = settings.config, settings.grid.block_tokens, settings.block_out
     layout = gl.NVMMASharedLayout.get_default_for(
         [config.step_depth, block_out], gl.bfloat16 if e.dtype == torch.bfloat16 else gl.float16)
     e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [config.step_depth, block_out],

@@ -224,24 +224,14 @@ def sm_utilization(programs: int, device: torch.device) -> float:
 
 # Pass 2 of the backward stores its chunks in the free rows of dC; once fewer rows are free
 # than this buffer holds, the rest of the vocabulary goes through it (part of the 16 MB slack).
-_SPARE_SCRATCH_BYTES = 8 * 2**20
+SPARE_SCRATCH_BYTES = 8 * 2**20
 # Pass 1 stores its chunks in dC's memory; without dC (or with too little of it) it gets a buffer
 # of its own, of about this size.
 DEDICATED_SCRATCH_BYTES = 64 * 2**20
-
-
-def spare_scratch_bytes() -> int:
-    return _SPARE_SCRATCH_BYTES
-
-
 # Pass 1 stores live tiles in slots where chunks of whole rows of the grid would hold fewer
-# tokens than this (cce.backward._live_tiles_in_slots): faster at 512 (D = 640), slower from
-# 2176 (D = 2304) on; the sizes between were not measured.
-_SLOT_CHUNK_TOKENS = 1024
-
-
-def slot_chunk_tokens() -> int:
-    return _SLOT_CHUNK_TOKENS
+# tokens than this (cce.backward_plan._live_tiles_in_slots): faster at 512 (D = 640), slower
+# from 2176 (D = 2304) on; the sizes between were not measured.
+SLOT_CHUNK_TOKENS = 1024
 
 
 def whole_waves(blocks: int, programs_per_block: int, device: torch.device) -> int:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import dot_precision, kernel_configs
+from cce.config import KernelConfigs, dot_precision
 from cce.logit_tile import logit_gradient_tile, round_to, vocab_block_entries
 from cce.tile_lists import TileLists
 from cce.scratch import Scratch, segment_offsets
@@ -155,7 +155,8 @@ class RecomputeInputs(NamedTuple):
 
 def gradient_tiles(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
                    flags: torch.Tensor, scratch: Scratch, token_blocks: range,
-                   vocab_blocks: range, kept_mass: Optional[torch.Tensor] = None,
+                   vocab_blocks: range, configs: KernelConfigs, *,
+                   kept_mass: Optional[torch.Tensor] = None,
                    slot_map: Optional[torch.Tensor] = None,
                    first_slot: Optional[torch.Tensor] = None) -> None:
     """Pass 1: store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks)
@@ -163,32 +164,33 @@ def gradient_tiles(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
     tiles go to whole rows of the grid, or, with ``slot_map`` (int32, token blocks x vocabulary
     blocks; needs ``live_tiles``), each live tile to its slot, counted from ``first_slot``
     (int32, first element) at the scratch's start. Adds the softmax mass of the stored tiles
-    off the targets to ``kept_mass`` (int64 (N,), module docstring) when given."""
-    _launch(inputs, live_tiles, flags, scratch, token_blocks, vocab_blocks,
+    off the targets to ``kept_mass`` (int64 (N,), module docstring) when given. ``configs``:
+    the backward's kernel settings (:func:`cce.config.kernel_configs`)."""
+    _launch(inputs, live_tiles, flags, scratch, token_blocks, vocab_blocks, configs,
             kept_mass=kept_mass, slot_map=slot_map, first_slot=first_slot)
 
 
 def listed_gradient_tiles(inputs: RecomputeInputs, scratch: Scratch, tile_lists: TileLists,
-                          longest_list: int, vocab_blocks: range,
+                          longest_list: int, vocab_blocks: range, configs: KernelConfigs, *,
                           kept_mass: Optional[torch.Tensor] = None) -> None:
     """Pass 2: store the listed tiles of ``vocab_blocks`` (``tile_lists``: per vocabulary block,
     the token blocks to store; ``longest_list``: at least the longest of those lists), each in
     its slot; tiles the filter drops are stored as zeros. ``kept_mass`` (when this is the
     backward's only recompute): as in :func:`gradient_tiles`."""
-    _launch(inputs, None, None, scratch, range(0), vocab_blocks, tile_lists=tile_lists,
+    _launch(inputs, None, None, scratch, range(0), vocab_blocks, configs, tile_lists=tile_lists,
             longest_list=longest_list, kept_mass=kept_mass)
 
 
 def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
             flags: Optional[torch.Tensor], scratch: Scratch, token_blocks: range,
-            vocab_blocks: range, tile_lists: Optional[TileLists] = None, longest_list: int = 1,
+            vocab_blocks: range, configs: KernelConfigs, *,
+            tile_lists: Optional[TileLists] = None, longest_list: int = 1,
             kept_mass: Optional[torch.Tensor] = None,
             slot_map: Optional[torch.Tensor] = None,
             first_slot: Optional[torch.Tensor] = None) -> None:
     (e, c, target_positions, bias, softcap, lse, prob_scale, target_entry, vocab_order,
      filter_eps, rank_one, entropy) = inputs
     num_tokens, dim = e.shape
-    configs = kernel_configs(e.dtype)
     listed = tile_lists is not None
     grid = configs.live_grid
     if listed and softcap is not None:

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from cce import classifier_product
 from cce.forward.classifier_sums import classifier_sums
-from cce.config import dot_precision, kernel_configs, split_count
+from cce.config import KernelConfig, dot_precision
 from cce.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.tile_lists import TileLists, build_tile_lists
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
@@ -235,9 +235,25 @@ def sparse_tile_matmul_kernel(
                      mask=row_mask)
 
 
+class ProductSettings(NamedTuple):
+    """How one product launch runs, as the backward's plan decided it (:mod:`cce.backward_plan`):
+    the live grid's tiles, the configuration its warps, stages and step depth come from, the
+    output columns per program, the programs per output block (``splits``, dE only), whether
+    every token, vocabulary and output block is whole (no masks, shallower steps), and whether
+    the dC product is :mod:`cce.classifier_product`'s."""
+
+    grid: KernelConfig
+    config: KernelConfig
+    block_out: int
+    splits: int = 1
+    whole_blocks: bool = False
+    by_tma: bool = False
+
+
 def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Tensor,
                               vocab_order: Optional[torch.Tensor], grad_e: torch.Tensor,
-                              token_blocks: range, room: Optional[torch.Tensor] = None,
+                              token_blocks: range, settings: ProductSettings, *,
+                              room: Optional[torch.Tensor] = None,
                               filter_correction: Optional[FilterCorrection] = None,
                               rank_one: Optional[RankOneUpdate] = None,
                               slot_map: Optional[torch.Tensor] = None,
@@ -252,113 +268,55 @@ def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Te
     in slots rather than as whole rows of the grid; ``first_slot``: int32, first element: the
     slot the scratch holds at its start (None: slot 0)."""
     lists, counts = build_tile_lists(flags[token_blocks.start:token_blocks.stop])
-    _launch(scratch, lists, counts, first_slot, c, vocab_order, grad_e, None, token_blocks.start,
-            flags.shape[1], transposed=False, room=room, filter_correction=filter_correction,
-            rank_one=rank_one, slot_map=slot_map, chunk_slots=first_slot is not None)
+    _launch(scratch, lists, counts, first_slot, c, vocab_order, grad_e, None,
+            first_block=token_blocks.start, chunk_vocab_blocks=flags.shape[1],
+            transposed=False, settings=settings, room=room,
+            filter_correction=filter_correction, rank_one=rank_one, slot_map=slot_map,
+            chunk_slots=first_slot is not None)
 
 
 def gradient_times_classifier(scratch: Scratch, tile_lists: TileLists, e: torch.Tensor,
                               vocab_order: Optional[torch.Tensor], grad_c: torch.Tensor,
                               grad_bias: Optional[torch.Tensor], vocab_blocks: range,
+                              settings: ProductSettings, *,
                               rank_one: Optional[RankOneUpdate] = None,
                               chunk_slots: bool = True) -> None:
     """``grad_c[rows of vocab_blocks] = G^T @ e`` (and the bias gradient) for a chunk of whole
     columns of the tile grid (the tiles of ``tile_lists``, each in its slot), plus ``rank_one``
     (:meth:`RankOneUpdate.for_classifier`) when given. ``chunk_slots``: the scratch holds the
     chunk's tiles from its slot 0 (pass 2); False: every block's tiles, numbered over all blocks
-    (``tile_lists`` is then a slice of lists built for every block). On Hopper GPUs the product
-    is :mod:`cce.classifier_product`'s where it applies."""
-    if classifier_product.usable(e, scratch, grad_bias, rank_one is not None):
+    (``tile_lists`` is then a slice of lists built for every block). With ``settings.by_tma``
+    the product is :mod:`cce.classifier_product`'s."""
+    if settings.by_tma:
         classifier_product.gradient_times_classifier_tma(
-            scratch, tile_lists, e, vocab_order, grad_c, vocab_blocks, chunk_slots,
-            _block_out(e.shape[1], e.dtype))
+            scratch, tile_lists, e, vocab_order, grad_c, vocab_blocks, chunk_slots, settings)
         return
     _launch(scratch, tile_lists.lists, tile_lists.counts, tile_lists.first_slots, e,
-            vocab_order, grad_c, grad_bias, vocab_blocks.start, len(vocab_blocks),
-            transposed=True, rank_one=rank_one, chunk_slots=chunk_slots)
-
-
-def _block_out(dim: int, dtype: torch.dtype) -> int:
-    """Output columns per program: the configured width, or less for a narrow output."""
-    return min(kernel_configs(dtype).sparse_tile_matmul.block_out, triton.next_power_of_2(dim))
-
-
-def embeddings_block_out(num_tokens: int, vocab_size: int, dim: int, dtype: torch.dtype, *,
-                         slot_map: bool, rank_one: bool) -> int:
-    """Output columns per program of the dE product: :func:`_block_out`'s, or half of it where
-    only the half divides D and the product then runs on its whole-block loop. D = 640: five
-    blocks of 128 instead of two of 256 and a half-empty one, 14% faster at the Gemma 3 shape;
-    not through a slot map or with a rank-one term, where it was slower
-    (docs/notes/backward.md)."""
-    width = _block_out(dim, dtype)
-    if (dim % width and dim % (width // 2) == 0 and not slot_map and not rank_one
-            and _whole_rows(num_tokens, vocab_size, dtype)):
-        return width // 2
-    return width
-
-
-def _whole_rows(num_tokens: int, vocab_size: int, dtype: torch.dtype) -> bool:
-    """Whether every token and vocabulary block is whole and the configuration has a
-    whole-block loop for the dE product."""
-    configs = kernel_configs(dtype)
-    grid = configs.live_grid
-    return (configs.whole_block_embeddings_product.step_depth > 0
-            and num_tokens % grid.block_tokens == 0 and vocab_size % grid.block_vocab == 0)
-
-
-def product_programs_per_block(dim: int, dtype: torch.dtype) -> int:
-    """Programs per output block of rows: one per BLOCK_OUT columns."""
-    return triton.cdiv(dim, _block_out(dim, dtype))
-
-
-def _embeddings_splits(token_blocks: int, dim: int, block_out: int, dtype: torch.dtype,
-                       device: torch.device, room_bytes: int) -> int:
-    """Programs per output block of the dE product of ``token_blocks`` (split-K), with float32
-    partial sums of every row of the chunk for each split."""
-    programs = token_blocks * triton.cdiv(dim, block_out)
-    rows = token_blocks * kernel_configs(dtype).live_grid.block_tokens
-    return split_count(programs, rows * dim * 4, device, room_bytes)
-
-
-def embeddings_product_programs(token_blocks: int, dim: int, block_out: int, dtype: torch.dtype,
-                                device: torch.device, room_bytes: int = 0) -> int:
-    """Programs of the dE product of a chunk of ``token_blocks`` with ``block_out`` output
-    columns per program (:func:`embeddings_block_out`), splits included."""
-    return (token_blocks * triton.cdiv(dim, block_out)
-            * _embeddings_splits(token_blocks, dim, block_out, dtype, device, room_bytes))
+            vocab_order, grad_c, grad_bias, first_block=vocab_blocks.start,
+            chunk_vocab_blocks=len(vocab_blocks), transposed=True, settings=settings,
+            rank_one=rank_one, chunk_slots=chunk_slots)
 
 
 def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             first_slots: Optional[torch.Tensor], operand: torch.Tensor,
             vocab_order: Optional[torch.Tensor], out: torch.Tensor,
-            grad_bias: Optional[torch.Tensor], first_block: int, chunk_vocab_blocks: int,
-            transposed: bool, room: Optional[torch.Tensor] = None,
+            grad_bias: Optional[torch.Tensor], *, first_block: int, chunk_vocab_blocks: int,
+            transposed: bool, settings: ProductSettings, room: Optional[torch.Tensor] = None,
             filter_correction: Optional[FilterCorrection] = None,
             rank_one: Optional[RankOneUpdate] = None,
             slot_map: Optional[torch.Tensor] = None, chunk_slots: bool = True) -> None:
-    configs = kernel_configs(operand.dtype)
-    grid, config = configs.live_grid, configs.sparse_tile_matmul
+    grid, config, block_out, splits = (settings.grid, settings.config, settings.block_out,
+                                       settings.splits)
     dim = operand.shape[1]
     num_out_blocks = lists.shape[0]
     num_tokens = out.shape[0] if not transposed else operand.shape[0]
     vocab_size = out.shape[0] if transposed else operand.shape[0]
-    block_out = (_block_out(dim, operand.dtype) if transposed else embeddings_block_out(
-        num_tokens, vocab_size, dim, operand.dtype, slot_map=slot_map is not None,
-        rank_one=rank_one is not None))
-    # Whole token, vocabulary and output blocks: measured faster at those shapes only.
-    whole_blocks = (not transposed and slot_map is None
-                    and _whole_rows(num_tokens, vocab_size, operand.dtype)
-                    and dim % block_out == 0)
-    if whole_blocks:
-        config = configs.whole_block_embeddings_product
     programs = num_out_blocks * triton.cdiv(dim, block_out)
     rows = num_out_blocks * grid.block_tokens
-    room_bytes = room.numel() * 4 if room is not None else 0
-    splits = 1 if transposed else _embeddings_splits(num_out_blocks, dim, block_out,
-                                                     operand.dtype, out.device, room_bytes)
     partial = None
     if splits > 1:
-        if splits * rows * dim * 4 <= room_bytes:
+        # The partial sums go to the scratch's unused end where they fit.
+        if room is not None and splits * rows * dim <= room.numel():
             partial = room[:splits * rows * dim].view(splits, rows, dim)
         else:
             partial = torch.empty((splits, rows, dim), dtype=torch.float32, device=out.device)
@@ -379,8 +337,8 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
         SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_OUT=block_out, DOT_PRECISION=dot_precision(operand.dtype),
-        STEPS=grid.block_vocab // config.step_depth if whole_blocks else 1,
-        WHOLE_BLOCKS=whole_blocks,
+        STEPS=grid.block_vocab // config.step_depth if settings.whole_blocks else 1,
+        WHOLE_BLOCKS=settings.whole_blocks,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if partial is not None:

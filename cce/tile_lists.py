@@ -10,12 +10,15 @@ host time that the backward's small chunks cannot hide.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from cce.config import interpreting
+from cce.host_copy import start_host_copy
 
 # Flags read per step of a row's scan.
 _BLOCK_COLUMNS = 1024
@@ -77,3 +80,25 @@ class TileLists:
         """The lists of a chunk of rows (views)."""
         return TileLists(self.lists[rows.start:rows.stop], self.counts[rows.start:rows.stop],
                          self.first_slots[rows.start:rows.stop])
+
+
+class ListedTiles(NamedTuple):
+    """The tiles of each vocabulary block (``TileLists``), and a function that returns their
+    number per block on the host (:meth:`of`)."""
+
+    tile_lists: TileLists
+    read_lengths: Callable[[], np.ndarray]
+
+    @staticmethod
+    def of(table: torch.Tensor, host_may_sync: bool) -> "ListedTiles":
+        """The lists of the tiles flagged in ``table`` (token blocks x vocabulary blocks), by
+        vocabulary block. Their lengths set the chunks' widths. When the host may wait, their
+        copy to the host is queued now and read later (one sync, :mod:`cce.host_copy`), so the
+        GPU runs what is queued in between while the host plans. Otherwise the lengths are the
+        bound known in advance, every token block, so that the schedule needs nothing from the
+        GPU (CUDA graphs), at the cost of narrower chunks and idle programs."""
+        tile_lists = TileLists.of(table.T)
+        if host_may_sync:
+            return ListedTiles(tile_lists, start_host_copy(tile_lists.counts))
+        bound = np.full(table.shape[1], table.shape[0], dtype=np.int64)
+        return ListedTiles(tile_lists, lambda: bound)

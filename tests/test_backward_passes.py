@@ -11,20 +11,18 @@ must match the float64 reference whatever the path.
 
 from __future__ import annotations
 
-import inspect
-from types import ModuleType
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import pytest
 import torch
 
-import cce.backward
+import cce.backward_plan
 import cce.classifier_product
-import cce.config
-import cce.sparse_tile_matmul
+from cce.backward_plan import BackwardPlan, ClassifierPlan, forced
 from cce.cce_function import loss_backward, loss_forward
-from cce.forward.classifier_sums import classifier_sums, classifier_sums_by_kernel
+from cce.forward.classifier_sums import (classifier_sums, classifier_sums_by_kernel,
+                                         classifier_sums_by_torch)
 from cce.config import kernel_configs
 from cce.host_copy import start_host_copy
 from cce.tile_lists import build_tile_lists
@@ -47,34 +45,34 @@ def _shape(dtype: torch.dtype, vocab_blocks: int = 5) -> "tuple[int, int]":
 
 
 @pytest.fixture(autouse=True)
-def spare_buffer_of_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
+def spare_buffer_of_one_block() -> Iterator[None]:
     """The real spare buffer holds more than these small vocabularies: shrink it to one
     vocabulary block, so that pass 2 uses the free rows of dC first."""
-    monkeypatch.setattr(cce.backward, "spare_scratch_bytes", lambda: 1)
+    with forced(spare_bytes=1):
+        yield
 
 
 @pytest.fixture
-def two_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+def two_passes() -> Iterator[None]:
     """The two-pass backward even where the tiles would fit in dC's memory."""
-    monkeypatch.setattr(cce.backward, "_one_pass_chunks", lambda *args: None)
+    with forced(one_pass=False):
+        yield
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch, name: str, module: ModuleType = cce.backward
-         ) -> "list[dict]":
-    """Record the calls of ``<module>.<name>`` (still calling it), each as its arguments by
-    parameter name, defaults included."""
-    calls = []
-    original = getattr(module, name)
-    signature = inspect.signature(original)
+def _backwards(plans: "list[BackwardPlan | ClassifierPlan]"
+               ) -> "list[tuple[BackwardPlan, Optional[ClassifierPlan]]]":
+    """Each backward's plan, with its dC plan (made with it, or after its pass 1)."""
+    backwards = []
+    for plan in plans:
+        if isinstance(plan, BackwardPlan):
+            backwards.append((plan, plan.classifier))
+        else:
+            backwards[-1] = (backwards[-1][0], plan)
+    return backwards
 
-    def spy(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        calls.append(bound.arguments)
-        return original(*args, **kwargs)
 
-    monkeypatch.setattr(module, name, spy)
-    return calls
+def _in_spare(classifier: ClassifierPlan) -> "list[bool]":
+    return [chunk.scratch is None for chunk in classifier.chunks]
 
 
 # Left out for CI's time: float32 without a filter, which stores every tile as bfloat16 does;
@@ -87,36 +85,32 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str, module: ModuleType = cce.ba
     pytest.param(torch.bfloat16, None, True, id="bf16-nofilter-sorted")])
 def test_chunked_passes_match_reference(dtype: torch.dtype, filter_eps: Optional[str],
                                         vocab_sorting: bool, device: str,
-                                        gen: torch.Generator, two_passes: None,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                        gen: torch.Generator, two_passes: None) -> None:
     """Several dE chunks of whole rows of the grid (as at large D; these small shapes' few
     tokens per chunk would take slots, which the next test covers), several shrinking dC chunks
     and a tail through the spare buffer (one segment per page), all exact."""
-    monkeypatch.setattr(cce.config, "_SLOT_CHUNK_TOKENS", 0)
-    embeddings_chunks = _spy(monkeypatch, "gradient_times_embeddings")
-    classifier_chunks = _spy(monkeypatch, "gradient_times_classifier")
     vocab, dim = _shape(dtype)
     inputs = make_inputs(gen, device, dtype, shape=(N,), vocab=vocab, dim=dim, bias=True,
                          softcap=20.0)
-    check("cce", inputs, gen, "mean", filter_eps=filter_eps, vocab_sorting=vocab_sorting)
-    in_spare = [call["scratch"].segments_per_page == 1 for call in classifier_chunks]
-    assert len(embeddings_chunks) >= 2
-    assert all(call["slot_map"] is None for call in embeddings_chunks)
+    with forced(slots=False) as plans:
+        check("cce", inputs, gen, "mean", filter_eps=filter_eps, vocab_sorting=vocab_sorting)
+    ((plan, classifier),) = _backwards(plans)
+    in_spare = _in_spare(classifier)
+    assert len(plan.pass_one.chunks) >= 2 and plan.pass_one.slot_map is None
     assert in_spare.count(False) >= 2 and in_spare[-1]
     assert in_spare == sorted(in_spare)  # free rows first, then the spare buffer
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_pass_one_stores_only_live_tiles_in_slots(deterministic: bool, device: str,
-                                                  gen: torch.Generator, two_passes: None,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                  gen: torch.Generator,
+                                                  two_passes: None) -> None:
     """Where chunks of whole rows of the grid would hold few tokens (small D: here 3 token
     blocks) and the forward's bounds leave tiles dead, pass 1 gives each live tile a slot of
     dC's memory instead, so that a chunk holds more token blocks than whole rows would; the
     gradients still match the reference, in deterministic mode too (its live tiles do not
     depend on the forward's schedule). (bf16: float32's default filter threshold keeps nearly
     every tile live.)"""
-    embeddings_chunks = _spy(monkeypatch, "gradient_times_embeddings")
     grid = kernel_configs(torch.bfloat16).live_grid
     vocab = _shape(torch.bfloat16)[0]
     row_segments = grid.block_tokens * -(-vocab // grid.block_vocab)
@@ -126,33 +120,28 @@ def test_pass_one_stores_only_live_tiles_in_slots(deterministic: bool, device: s
     # tiles live.
     targets = torch.where(targets >= 0, (e @ c.T).argmax(dim=1), targets)
     inputs = Inputs(e.bfloat16(), c.bfloat16(), targets, options={"ignore_index": -1})
-    check("cce", inputs, gen, "mean", deterministic=deterministic)
+    with forced() as plans:
+        check("cce", inputs, gen, "mean", deterministic=deterministic)
+    ((plan, _),) = _backwards(plans)
     whole_rows_per_chunk = vocab * (dim // grid.block_vocab) // row_segments
-    token_blocks = [call["token_blocks"] for call in embeddings_chunks]
-    assert all(call["slot_map"] is not None for call in embeddings_chunks)
+    token_blocks = [chunk.token_blocks for chunk in plan.pass_one.chunks]
+    assert plan.pass_one.slot_map is not None
     assert [block for chunk in token_blocks for block in chunk] == list(range(8))
     assert max(len(chunk) for chunk in token_blocks) > whole_rows_per_chunk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_split_embeddings_product_matches_reference(dtype: torch.dtype, device: str,
-                                                    gen: torch.Generator, two_passes: None,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                    gen: torch.Generator,
+                                                    two_passes: None) -> None:
     """Each output block's list of the dE product split among 3 programs, as on a GPU when a
     chunk has too few output blocks to fill it: the partial sums add up to the exact dE."""
-    monkeypatch.setattr(cce.sparse_tile_matmul, "split_count", lambda *args, **kwargs: 3)
-    sums = []
-    original = cce.sparse_tile_matmul.sum_partials
-
-    def spy(partial: torch.Tensor, out: torch.Tensor) -> None:
-        sums.append(partial.shape[0])
-        original(partial, out)
-
-    monkeypatch.setattr(cce.sparse_tile_matmul, "sum_partials", spy)
     vocab, dim = _shape(dtype)
     inputs = make_inputs(gen, device, dtype, shape=(N,), vocab=vocab, dim=dim)
-    check("cce", inputs, gen, "mean")
-    assert sums and set(sums) == {3}
+    with forced(splits=3) as plans:
+        check("cce", inputs, gen, "mean")
+    ((plan, _),) = _backwards(plans)
+    assert {chunk.product.splits for chunk in plan.pass_one.chunks} == {3}
 
 
 # The paths follow the blocks' shapes, not the dtype: one float32 case, for CI's time.
@@ -164,7 +153,7 @@ def test_split_embeddings_product_matches_reference(dtype: torch.dtype, device: 
     pytest.param(torch.bfloat16, 0.1, 2.5, id="bf16-smoothed-half-width")])
 def test_whole_blocks_match_reference(dtype: torch.dtype, label_smoothing: float,
                                       dim_in_widths: float, device: str, gen: torch.Generator,
-                                      two_passes: None, monkeypatch: pytest.MonkeyPatch) -> None:
+                                      two_passes: None) -> None:
     """When every token, vocabulary and output block is whole, pass 1's dE product runs without
     masks and, where its configuration says so (16-bit on a GPU, and in the interpreter), takes
     each tile in shallower steps: the gradients still match the reference. A D that only half
@@ -172,32 +161,24 @@ def test_whole_blocks_match_reference(dtype: torch.dtype, label_smoothing: float
     that half, all whole, except with label smoothing's rank-one term (measured slower). (Pass
     1 in whole rows of the grid: slots, which these few tokens per chunk would get, forgo the
     whole-block loop.)"""
-    monkeypatch.setattr(cce.config, "_SLOT_CHUNK_TOKENS", 0)
     configs = kernel_configs(dtype)
-    launches = []
-    kernel = cce.sparse_tile_matmul.sparse_tile_matmul_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(kwargs)
-                kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(cce.sparse_tile_matmul, "sparse_tile_matmul_kernel", Recorded())
     grid, width = configs.live_grid, configs.sparse_tile_matmul.block_out
     inputs = make_inputs(gen, device, dtype, shape=(3 * grid.block_tokens,),
                          vocab=3 * grid.block_vocab, dim=int(dim_in_widths * width))
-    check("cce", inputs, gen, "mean", label_smoothing=label_smoothing)
-    embeddings = [kw for kw in launches if not kw["TRANSPOSED"]]
+    with forced(slots=False) as plans:
+        check("cce", inputs, gen, "mean", label_smoothing=label_smoothing)
+    ((plan, classifier),) = _backwards(plans)
+    embeddings = [chunk.product for chunk in plan.pass_one.chunks]
     depth = configs.whole_block_embeddings_product.step_depth
     whole_widths = dim_in_widths == int(dim_in_widths)
     halved = not whole_widths and not label_smoothing and depth > 0
     whole = depth > 0 and (whole_widths or halved)
-    assert embeddings and all(kw["WHOLE_BLOCKS"] == whole for kw in embeddings)
-    assert all(kw["BLOCK_OUT"] == (width // 2 if halved else width) for kw in embeddings)
-    assert all(kw["STEPS"] == (grid.block_vocab // depth if whole else 1) for kw in embeddings)
-    assert not any(kw["WHOLE_BLOCKS"] for kw in launches if kw["TRANSPOSED"])
+    assert embeddings and all(product.whole_blocks == whole for product in embeddings)
+    assert all(product.block_out == (width // 2 if halved else width) for product in embeddings)
+    # Whole blocks take the configuration of shallower steps (its step depth).
+    assert all(product.config == (configs.whole_block_embeddings_product if whole
+                                  else configs.sparse_tile_matmul) for product in embeddings)
+    assert not classifier.product.whole_blocks
 
 
 @pytest.mark.parametrize("spare_tiles", [4, 9])
@@ -209,7 +190,7 @@ def test_classifier_chunks_are_the_widest_that_fit(spare_tiles: int,
     block_tokens, block_vocab, dim = 32, 128, 256
     vocab = 60 * block_vocab - 5
     tiles_per_block = np.array([9] * 6 + torch.randint(0, 4, (54,), generator=gen).tolist())
-    chunks = cce.backward._classifier_chunks(tiles_per_block, vocab, dim, block_tokens,
+    chunks = cce.backward_plan._classifier_chunks(tiles_per_block, vocab, dim, block_tokens,
                                              block_vocab, True, spare_tiles)
 
     def fits(blocks: range, in_spare: bool) -> bool:
@@ -243,23 +224,21 @@ def test_classifier_chunks_are_the_widest_that_fit(spare_tiles: int,
     pytest.param(torch.bfloat16, "auto", False, id="bf16-filter-unsorted"),
     pytest.param(torch.bfloat16, None, True, id="bf16-nofilter-sorted")])
 def test_one_pass_matches_reference(dtype: torch.dtype, filter_eps: Optional[str],
-                                    vocab_sorting: bool, device: str, gen: torch.Generator,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                    vocab_sorting: bool, device: str,
+                                    gen: torch.Generator) -> None:
     """Two token blocks for a classifier four segments wide: every tile fits in dC's memory, so
     each live one is recomputed once; one dE product, then dC in chunks from dC's rows and a
     tail through the spare buffer (one segment per page), all exact."""
-    # On a GPU this small a dE product leaves most SMs idle, where two passes are faster.
-    monkeypatch.setattr(cce.backward, "_ONE_PASS_MIN_UTILIZATION", 0.0)
-    one_pass = _spy(monkeypatch, "_one_pass_backward")
-    embeddings_products = _spy(monkeypatch, "gradient_times_embeddings")
-    classifier_chunks = _spy(monkeypatch, "gradient_times_classifier")
     vocab, _ = _shape(dtype, 7)
     grid = kernel_configs(dtype).live_grid
     inputs = make_inputs(gen, device, dtype, shape=(2 * grid.block_tokens - 7,), vocab=vocab,
                          dim=4 * grid.block_vocab, bias=True, softcap=20.0)
-    check("cce", inputs, gen, "mean", filter_eps=filter_eps, vocab_sorting=vocab_sorting)
-    in_spare = [call["scratch"].segments_per_page == 1 for call in classifier_chunks]
-    assert len(one_pass) == 1 and len(embeddings_products) == 1
+    # On a GPU this small a dE product leaves most SMs idle, where two passes are faster.
+    with forced(one_pass=True) as plans:
+        check("cce", inputs, gen, "mean", filter_eps=filter_eps, vocab_sorting=vocab_sorting)
+    ((plan, classifier),) = _backwards(plans)
+    in_spare = _in_spare(classifier)
+    assert plan.one_pass is not None and plan.pass_one is None
     assert in_spare.count(False) >= 1 and in_spare[-1]
     assert in_spare == sorted(in_spare)  # dC's rows first, then the spare buffer
 
@@ -276,7 +255,7 @@ def test_one_pass_chunks_write_only_rows_whose_tiles_were_read(spare_tiles: int,
     segments_per_row = dim // block_vocab
     vocab = 60 * block_vocab - 5
     tiles_per_block = np.array([4] * 10 + torch.randint(0, 3, (50,), generator=gen).tolist())
-    first_position, chunks = cce.backward._one_pass_chunks(
+    first_position, chunks = cce.backward_plan._one_pass_chunks(
         tiles_per_block, vocab, dim, block_tokens, block_vocab, spare_tiles)
     tiles_before = np.concatenate([[0], np.cumsum(tiles_per_block)])
     slot_rows = -(-tiles_before[-1] * block_tokens // segments_per_row)
@@ -297,7 +276,7 @@ def test_one_pass_chunks_write_only_rows_whose_tiles_were_read(spare_tiles: int,
     first_in_spare = next(blocks for blocks, spare in chunks if spare)
     assert not writable(range(first_in_spare.start, first_in_spare.start + 1), False)
     too_many = np.full(60, vocab * segments_per_row // block_tokens // 60 + 1)
-    assert cce.backward._one_pass_chunks(too_many, vocab, dim, block_tokens, block_vocab,
+    assert cce.backward_plan._one_pass_chunks(too_many, vocab, dim, block_tokens, block_vocab,
                                          spare_tiles) is None
 
 
@@ -385,15 +364,11 @@ def test_classifier_sums_kernel_gives_both_sums_from_one_read(dtype: torch.dtype
             assert torch.equal(classifier_sums(c, vector).dots, dots)
 
 
-def test_classifier_sums_of_a_cpu_classifier(gen: torch.Generator,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_classifier_sums_of_a_cpu_classifier(gen: torch.Generator) -> None:
     """A CPU c: the same float32 sums, from PyTorch, a block of rows at a time."""
-    import cce.forward.classifier_sums
-
-    monkeypatch.setattr(cce.forward.classifier_sums, "_TORCH_ROWS", 100)
     c = torch.randn(333, 201, generator=gen).bfloat16()
     vector = torch.randn(201, generator=gen).bfloat16()
-    dots, row_sum = classifier_sums(c, vector)
+    dots, row_sum = classifier_sums_by_torch(c, vector, block_rows=100)
     assert dots.dtype == row_sum.dtype == torch.float32 and dots.shape == (333,)
     assert relative_error(dots, c.double() @ vector.double()) < 1e-6
     assert relative_error(row_sum, c.double().sum(0)) < 1e-6
@@ -408,13 +383,11 @@ def test_sum_partials_rejects_an_output_it_cannot_write_in_place(device: str) ->
         sum_partials(partial, torch.zeros(8, 5, device=device))
 
 
-def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator) -> None:
     """Without dE there are no exact flags from pass 1: pass 2 lists every tile the forward's
     bounds leave live, more than pass 1 would store, and stores those the filter drops as zeros.
     From the same forward, dC comes out identical to the bit. (The bounds are loosened by e^4,
     still sound, so that they surely leave more tiles live than the filter keeps.)"""
-    listed = _spy(monkeypatch, "listed_gradient_tiles")
     # Nine token and nine vocabulary blocks: too many live tiles for the one pass, and enough
     # of the vocabulary's tail for the bounds to leave more tiles live than the filter keeps.
     num_tokens = 261
@@ -427,14 +400,15 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
     grad_loss = torch.rand(num_tokens, generator=gen).to(device)
 
     def grad_c(with_grad_e: bool) -> "tuple[torch.Tensor, int]":
-        listed.clear()
-        _, gradient, _ = loss_backward(e, c, None, targets, None, lse, complement, positions,
-                                       order, tile_bound + 4.0, curvature_sum, row_sum,
-                                       entropy_terms, grad_loss, None, None, None, 2.0**-12,
-                                       True, 0.0, False,
-                                       needs_grad_e=with_grad_e,
-                                       needs_grad_c=True)
-        return gradient, sum(int(call["tile_lists"].counts.sum()) for call in listed)
+        with forced() as plans:
+            _, gradient, _ = loss_backward(e, c, None, targets, None, lse, complement, positions,
+                                           order, tile_bound + 4.0, curvature_sum, row_sum,
+                                           entropy_terms, grad_loss, None, None, None, 2.0**-12,
+                                           True, 0.0, False,
+                                           needs_grad_e=with_grad_e,
+                                           needs_grad_c=True)
+        ((_, classifier),) = _backwards(plans)
+        return gradient, int(classifier.tile_lists.counts.sum())
 
     beside, stored_beside = grad_c(with_grad_e=True)
     alone, listed_alone = grad_c(with_grad_e=False)
@@ -445,8 +419,7 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator,
 @pytest.mark.parametrize("passes, dim", [("two", 512), ("two", 200), ("one", 512)],
                          ids=["two-passes-paged", "two-passes-buffer", "one-pass"])
 def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
-        passes: str, dim: int, device: str, gen: torch.Generator,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        passes: str, dim: int, device: str, gen: torch.Generator) -> None:
     """On a Hopper GPU with 16-bit inputs, dC comes from cce.classifier_product, which copies
     the rows of e by TMA. From the same forward it is the Triton product's dC to the bit: through
     dC's free rows (paged) and the spare buffer, or through a buffer of its own where D is not a
@@ -454,12 +427,6 @@ def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
     with partial token, vocabulary and output blocks."""
     if not cce.classifier_product.available(torch.device(device), torch.bfloat16):
         pytest.skip("needs a Hopper GPU and Triton 3.6")
-    if passes == "two":
-        monkeypatch.setattr(cce.backward, "_one_pass_chunks", lambda *args: None)
-    else:
-        monkeypatch.setattr(cce.backward, "_ONE_PASS_MIN_UTILIZATION", 0.0)
-    one_pass = _spy(monkeypatch, "_one_pass_backward")
-    by_tma = _spy(monkeypatch, "gradient_times_classifier_tma", cce.classifier_product)
     vocab, _ = _shape(torch.bfloat16, 9)
     tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7
     e, c, targets = peaked_inputs(gen, device, tokens, vocab, dim)
@@ -469,18 +436,21 @@ def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
                                    False, False, False, False, True, True)
     grad_loss = torch.rand(tokens, generator=gen).to(device)
 
-    def grad_c() -> torch.Tensor:
-        _, gradient, _ = loss_backward(e, c, None, targets, None, lse, complement, positions,
-                                       order, tile_bound, curvature_sum, row_sum,
-                                       entropy_terms, grad_loss, None, None, None, 2.0**-12,
-                                       True, 0.0, False, needs_grad_e=True,
-                                       needs_grad_c=True)
-        return gradient
+    def grad_c(triton_product: bool) -> "tuple[torch.Tensor, BackwardPlan, ClassifierPlan]":
+        with forced(one_pass=passes == "one",
+                    triton_classifier_product=triton_product) as plans:
+            _, gradient, _ = loss_backward(e, c, None, targets, None, lse, complement, positions,
+                                           order, tile_bound, curvature_sum, row_sum,
+                                           entropy_terms, grad_loss, None, None, None, 2.0**-12,
+                                           True, 0.0, False, needs_grad_e=True,
+                                           needs_grad_c=True)
+        ((plan, classifier),) = _backwards(plans)
+        return gradient, plan, classifier
 
-    with_tma = grad_c()
-    assert by_tma and len(one_pass) == (passes == "one")
-    monkeypatch.setattr(cce.classifier_product, "usable", lambda *args: False)
-    assert torch.equal(with_tma, grad_c())
+    with_tma, plan, classifier = grad_c(triton_product=False)
+    assert classifier.product.by_tma and (plan.one_pass is not None) == (passes == "one")
+    by_triton, _, classifier = grad_c(triton_product=True)
+    assert not classifier.product.by_tma and torch.equal(with_tma, by_triton)
 
 
 @pytest.mark.parametrize("device", [

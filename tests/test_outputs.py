@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cce
+from cce.backward_plan import BackwardPlan, forced
 from tests.helpers import (INTERPRETER_NON_FINITE_WARNINGS, V, Inputs, assert_matches,
                            confident_inputs, make_grad_output, make_inputs, peaked_inputs,
                            relative_error, run, run_reference, tolerances)
@@ -174,25 +175,8 @@ def test_deterministic_entropy_and_argmax_repeat_bit_for_bit(device: str,
     assert_matches(runs[0], ref, "cce", torch.float32, inputs.targets, "none")
 
 
-def _live_tile_fraction(monkeypatch: pytest.MonkeyPatch) -> "list[float]":
-    """Records the fraction of live tiles of every backward of the kernels (the recompute
-    table's mean): below 1 when the filter skips tiles."""
-    import cce.cce_function
-
-    fractions: list[float] = []
-    recompute_table = cce.cce_function.recompute_table
-
-    def recorded_table(*args, **kwargs) -> torch.Tensor:
-        table = recompute_table(*args, **kwargs)
-        fractions.append(table.float().mean().item())
-        return table
-
-    monkeypatch.setattr(cce.cce_function, "recompute_table", recorded_table)
-    return fractions
-
-
 def test_16_bit_entropy_gradient_with_the_default_filter_is_as_accurate_as_the_loss_gradient(
-        device: str, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+        device: str, gen: torch.Generator) -> None:
     """bfloat16, default filter, on language-model-like rows (a peaked, Zipf-like softmax whose
     targets are its likeliest tokens) where the filter skips tiles: the gradient of
     ``sum(entropy * g_entropy)`` alone is within the loss gradient's tolerance for the kernels
@@ -202,17 +186,20 @@ def test_16_bit_entropy_gradient_with_the_default_filter_is_as_accurate_as_the_l
     e, c, targets = peaked_inputs(gen, device, 48, 900, 40)
     targets = torch.where(targets >= 0, (e @ c.T).argmax(dim=1), -1)
     inputs = Inputs(e.bfloat16(), c.bfloat16(), targets, options=dict(ignore_index=-1))
-    live_fractions = _live_tile_fraction(monkeypatch)
     grad_tol = tolerances("cce", torch.bfloat16)[1]
 
     grad_output = torch.tensor(1.0, device=device)
-    loss_only = run("cce", inputs, grad_output)
-    loss_ref = run_reference(inputs, grad_output)
     no_loss = torch.tensor(0.0, device=device)
     # An entropy bonus over the scored tokens (padding's rows have an entropy, but no bonus).
     grad_entropy = torch.where(targets >= 0, torch.randn(targets.shape, generator=gen).to(device),
                                0.0)
-    entropy_only = run("cce", inputs, no_loss, grad_entropy=grad_entropy)
+    # The plans record each backward's live table: below 1 where the filter skips tiles.
+    with forced() as plans:
+        loss_only = run("cce", inputs, grad_output)
+        entropy_only = run("cce", inputs, no_loss, grad_entropy=grad_entropy)
+    live_fractions = [plan.live_tiles.float().mean().item() for plan in plans
+                      if isinstance(plan, BackwardPlan)]
+    loss_ref = run_reference(inputs, grad_output)
     entropy_ref = run_reference(inputs, no_loss, grad_entropy=grad_entropy)
 
     errors = {"loss dE": relative_error(loss_only.grad_e, loss_ref.grad_e),

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import cce
-import cce.cce_function
+from cce.backward_plan import BackwardPlan, forced
 from tests.helpers import (DTYPE_IDS, DTYPES, Inputs, check, make_grad_output, make_inputs,
                            peaked_inputs, run, run_reference)
 from tests.reference import relative_error
@@ -196,29 +196,22 @@ def test_matches_torch_linear_cross_entropy(impl: str, weighting: str, reduction
 
 
 def test_smoothing_keeps_no_tile_live_and_reaches_the_skipped_ones(
-        device: str, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+        device: str, gen: torch.Generator) -> None:
     """The backward recomputes the same tiles with label smoothing as without (its rank-one
     term is added in closed form), whole vocabulary blocks of them are skipped, and the
     gradients still match the reference: the smoothing's gradient reaches the classifier rows
     whose tiles were all skipped."""
-    tables = []
-
-    def recording_recompute_table(*args, **kwargs):
-        tables.append(original(*args, **kwargs))
-        return tables[-1]
-
-    original = cce.cce_function.recompute_table
-    monkeypatch.setattr(cce.cce_function, "recompute_table", recording_recompute_table)
     e, c, targets = peaked_inputs(gen, device, 45, 1500, D)
     # Likely targets, as a language model's are: the tail of the vocabulary holds none.
     targets = torch.where(targets >= 0, (e @ c.T).argmax(dim=1), -1)
     inputs = Inputs(e.bfloat16(), c.bfloat16(), targets, options=dict(ignore_index=-1))
     grad_output = make_grad_output(gen, inputs, "mean")
     weight = class_weights(gen, 1500).to(device)
-    run("cce", inputs, grad_output, weight=weight)
-    check("cce", inputs, gen, "mean", weight=weight, label_smoothing=SMOOTHING)
+    with forced() as plans:  # they record each backward's live table
+        run("cce", inputs, grad_output, weight=weight)
+        check("cce", inputs, gen, "mean", weight=weight, label_smoothing=SMOOTHING)
 
-    plain, smoothed = tables
+    plain, smoothed = [plan.live_tiles for plan in plans if isinstance(plan, BackwardPlan)]
     assert torch.equal(smoothed, plain)
     assert bool((smoothed.sum(dim=0) == 0).any()), "the test needs wholly skipped blocks"
 

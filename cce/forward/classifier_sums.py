@@ -67,7 +67,7 @@ def classifier_sums(c: torch.Tensor, vector: Optional[torch.Tensor] = None) -> C
     kernel; on the CPU, PyTorch (in Triton's interpreter the kernel takes seconds per call: its
     test runs it there through :func:`classifier_sums_by_kernel`)."""
     if c.device.type != "cuda":
-        return _sums_by_torch(c, vector)
+        return classifier_sums_by_torch(c, vector)
     return classifier_sums_by_kernel(c, vector)
 
 
@@ -101,13 +101,15 @@ def classifier_sums_by_kernel(c: torch.Tensor,
     return ClassifierSums(dots.sum(0) if dots is not None else None, column_partial.sum(0))
 
 
-def _sums_by_torch(c: torch.Tensor, vector: Optional[torch.Tensor]) -> ClassifierSums:
-    """The same sums on the CPU, in float32, a block of rows at a time so that no float32 copy
-    of ``c`` is made. Outside autocast, which would round the products to 16 bits."""
+def classifier_sums_by_torch(c: torch.Tensor, vector: Optional[torch.Tensor] = None,
+                             block_rows: int = _TORCH_ROWS) -> ClassifierSums:
+    """:func:`classifier_sums` by PyTorch (the CPU's), in float32, ``block_rows`` rows at a time
+    so that no float32 copy of ``c`` is made. Outside autocast, which would round the products
+    to 16 bits."""
     with torch.autocast(c.device.type, enabled=False):
         row_sum = c.sum(0, dtype=torch.float32)
         if vector is None:
             return ClassifierSums(None, row_sum)
         vector = vector.float()
         return ClassifierSums(
-            torch.cat([rows.float() @ vector for rows in c.split(_TORCH_ROWS)]), row_sum)
+            torch.cat([rows.float() @ vector for rows in c.split(block_rows)]), row_sum)
