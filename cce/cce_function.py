@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 import torch
 import triton
 
-from cce.backward import BackwardRequest, CorrectionInputs, linear_cross_entropy_backward
+from cce.backward.run import BackwardRequest, CorrectionInputs, linear_cross_entropy_backward
 from cce.config import check_interpreter_usable, kernel_configs
-from cce.gradient_tiles import RecomputeInputs
+from cce.backward.gradient_tiles import RecomputeInputs
 from cce.forward.indexed_dot import indexed_dot
 from cce.forward.lse_forward import lse_forward
 from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
-from cce.live_tiles import live_tiles
+from cce.backward.live_tiles import live_tiles
 from cce.forward.vocab_order import sort_vocabulary, target_positions
 from cce.weighting import (EntropyTerm, LossWeighting, RankOneTerm, TokenOutputs,
                            argmax_or_none, entropy_and_gradient_terms, lse_and_cross_entropy,
@@ -98,9 +98,9 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
 def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
                     positions: torch.Tensor, dtype: torch.dtype,
                     filter_eps: float) -> torch.Tensor:
-    """The table of the live-grid tiles that the backward recomputes (:func:`cce.live_tiles`):
-    those the forward's bounds cannot prove negligible. ``positions``: see
-    :func:`cce.forward.vocab_order.target_positions`."""
+    """The table of the live-grid tiles that the backward recomputes
+    (:func:`cce.backward.live_tiles`): those the forward's bounds cannot prove negligible.
+    ``positions``: see :func:`cce.forward.vocab_order.target_positions`."""
     grid = kernel_configs(dtype).live_grid
     return live_tiles(tile_bound, lse, prob_scale, positions, grid.block_tokens,
                       grid.block_vocab, filter_eps)
@@ -109,7 +109,7 @@ def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: tor
 def uses_filter_correction(filter_correction: bool, filter_eps: Optional[float],
                          softcap: Optional[float]) -> bool:
     """Whether dE gets back what the filter dropped: with filtering and no softcap, whose
-    derivative the dropped entries' mass does not carry (:mod:`cce.sparse_tile_matmul`)."""
+    derivative the dropped entries' mass does not carry (:mod:`cce.backward.sparse_tile_matmul`)."""
     return filter_correction and filter_eps is not None and softcap is None
 
 
@@ -128,10 +128,10 @@ def _sums_curvature(softcap: Optional[float], label_smoothing: float, needs_grad
 
 def _may_copy_classifier(e: torch.Tensor, needs_grad: bool, grad_c_follows: bool) -> bool:
     """Whether the forward may hold a copy of ``c`` while its kernel runs
-    (:func:`cce.forward.lse_forward.classifier_by_position`): where the backward that follows takes as
-    much memory anyway, so that a training step's peak does not grow. That is dC; without dC,
+    (:func:`cce.forward.lse_forward.classifier_by_position`): where the backward that follows takes
+    as much memory anyway, so that a training step's peak does not grow. That is dC; without dC,
     the dE-only backward's buffer, as large as ``c`` from D tokens on
-    (:func:`cce.backward_plan._pass_one_buffer`)."""
+    (:func:`cce.backward.plan._pass_one_buffer`)."""
     return needs_grad and (grad_c_follows or e.shape[0] >= e.shape[1])
 
 
@@ -222,9 +222,9 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     ``curvature_sum``, ``classifier_row_sum`` and ``entropy_terms``: from
     :func:`loss_forward`.
     ``filter_correction``: with filtering and no softcap, dE gets back what the filter dropped
-    (:mod:`cce.sparse_tile_matmul`).
+    (:mod:`cce.backward.sparse_tile_matmul`).
     ``keep_tiles``: recompute each live tile once, into memory of its own
-    (:func:`cce.backward.linear_cross_entropy_backward`)."""
+    (:func:`cce.backward.run.linear_cross_entropy_backward`)."""
     order = order if order.numel() else None
     curvature_sum = curvature_sum if curvature_sum.numel() else None
     classifier_row_sum = classifier_row_sum if classifier_row_sum.numel() else None
@@ -254,7 +254,7 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     live = None
     if tile_bound.numel():
         live = recompute_table(tile_bound, lse, softmax_rows, positions, e.dtype, filter_eps)
-    # The tiles add up the softmax mass off the targets, 1 - p_y (cce.sparse_tile_matmul).
+    # The tiles add up the softmax mass off the targets, 1 - p_y (cce.backward.sparse_tile_matmul).
     recompute = RecomputeInputs(e, c, positions, bias, softcap, lse, scales.softmax, entry,
                                 order, filter_eps, rank_one, entropy)
     correction = (CorrectionInputs(target_complement, classifier_row_sum)

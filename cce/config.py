@@ -43,8 +43,8 @@ class KernelConfigs:
     # Pass 1's dE product when every token, vocabulary and output block is whole (no masks):
     # step depth, warps and stages (block_out as above). step_depth 0: the product above only.
     whole_block_embeddings_product: KernelConfig
-    # The dC product on Hopper GPUs (cce.classifier_product): step depth (0: not used), warps
-    # of its consumer and stages.
+    # The dC product on Hopper GPUs (cce.backward.classifier_product): step depth (0: not used),
+    # warps of its consumer and stages.
     classifier_product: KernelConfig
 
     def __post_init__(self):
@@ -229,7 +229,7 @@ SPARE_SCRATCH_BYTES = 8 * 2**20
 # of its own, of about this size.
 DEDICATED_SCRATCH_BYTES = 64 * 2**20
 # Pass 1 stores live tiles in slots where chunks of whole rows of the grid would hold fewer
-# tokens than this (cce.backward_plan._live_tiles_in_slots): faster at 512 (D = 640), slower
+# tokens than this (cce.backward.plan._live_tiles_in_slots): faster at 512 (D = 640), slower
 # from 2176 (D = 2304) on; the sizes between were not measured.
 SLOT_CHUNK_TOKENS = 1024
 

@@ -257,9 +257,9 @@ class VocabParallelFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
                  grad_entropy: Optional[torch.Tensor], _grad_argmax):
-        from cce.backward import (BackwardRequest, CorrectionInputs,
+        from cce.backward.run import (BackwardRequest, CorrectionInputs,
                                   linear_cross_entropy_backward)
-        from cce.gradient_tiles import RecomputeInputs
+        from cce.backward.gradient_tiles import RecomputeInputs
         from cce.cce_function import recompute_table
 
         (e, c, bias, targets, positions, lse, complement, order, tile_bound, counted_mass,

@@ -14,11 +14,11 @@ Measured:
 2. The fraction of softmax entries >= eps, and their number per row.
 3. The fraction of live tiles (tiles holding an entry >= eps, which the backward must compute)
    for square tiles of 16 to 256 tokens x as many vocabulary entries, in the natural vocabulary
-   order and sorted by average logit (``cce.forward.vocab_order.vocab_order``). Square tiles: the paper's
-   Alg. 3 tiles both dimensions, and 128 x 128 is exactly the live-tile grid of cce's backward
-   for 16-bit inputs on GPU (``cce.config``); the sweep shows how quickly sparsity is lost as
-   tiles grow. At 128 x 128 also cce's own table (``cce.live_tiles.live_tiles``: the forward's
-   per-row bound on each tile's largest probability, plus every tile holding a target).
+   order and sorted by average logit (``cce.forward.vocab_order.vocab_order``). Square tiles: the
+   paper's Alg. 3 tiles both dimensions, and 128 x 128 is exactly the live-tile grid of cce's
+   backward for 16-bit inputs on GPU (``cce.config``); the sweep shows how quickly sparsity is lost
+   as tiles grow. At 128 x 128 also cce's own table (``cce.backward.live_tiles.live_tiles``: the
+   forward's per-row bound on each tile's largest probability, plus every tile holding a target).
 4. All of it for the prompt and the response tokens apart (the row's target is a prompt or a
    response token), each group's rows taken consecutively, as if only they were in the batch;
    and the response rows in place among ignored prompt rows, as prompt-masked training has them.
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from cce.live_tiles import live_tiles
+from cce.backward.live_tiles import live_tiles
 from cce.forward.vocab_order import target_positions, vocab_order
 from experiments.alpaca_data import IGNORE_INDEX, add_data_argument
 from experiments.harness import (DEVICE, WrittenResults, add_run_arguments, device_name, finish,
@@ -124,7 +124,7 @@ class SoftmaxSparsity:
                       compact: bool = True,
                       forward_tile_vocab: int = CCE_FORWARD_TILE_VOCAB) -> torch.Tensor:
         """The tiles that cce's backward computes: its live-tile table
-        (``cce.live_tiles.live_tiles``), built as cce builds it for a loss over the group's
+        (``cce.backward.live_tiles.live_tiles``), built as cce builds it for a loss over the group's
         rows. Its bound on the probabilities of a tile is the largest, over the tile's rows, of
         exp(the row's largest logit in the tile - a lower bound of its LSE): the larger of its
         target's logit and the log-sum-exp of its logits up to the end of the forward tile
@@ -297,8 +297,8 @@ def run(quick: bool, out_dir: Path, data_path: Path | None = None,
                "float32",
         "tiles": "square: tile tokens = tile vocabulary entries, consecutive rows of each group; "
                  "live = holds a softmax entry >= eps; sorted = vocabulary by decreasing average "
-                 f"logit (cce.forward.vocab_order.vocab_order); {CCE_TILE}x{CCE_TILE} is cce's live grid "
-                 "on GPU",
+                 f"logit (cce.forward.vocab_order.vocab_order); {CCE_TILE}x{CCE_TILE} is cce's "
+                 "live grid on GPU",
         **{f"{group} tokens": _describe(summary(sparsity, group)) for group in GROUPS},
         "prompt-masked batch": _describe_masked(sparsity),
         "figure": f"{NAME}.png",

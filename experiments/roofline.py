@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 import cce
-import cce.backward
+import cce.backward.run
 import cce.cce_function
 from cce.config import kernel_configs
 from experiments.harness import ON_GPU, WrittenResults, add_sections, progress, write_results
@@ -57,10 +57,10 @@ STEPS = (
     (cce.cce_function, "indexed_dot", "target logits (indexed dot)", "bytes"),
     (cce.cce_function, "lse_forward", "log-sum-exp forward", "logits"),
     (cce.cce_function, "recompute_table", "table of tiles to recompute", "bytes"),
-    (cce.backward, "gradient_tiles", "recompute by grid rows (pass 1)", "recompute"),
-    (cce.backward, "gradient_times_embeddings", "product dE = G C", "dE"),
-    (cce.backward, "listed_gradient_tiles", "recompute by lists (pass 2 or one pass)", "listed"),
-    (cce.backward, "gradient_times_classifier", "product dC = G^T E", "dC"),
+    (cce.backward.run, "gradient_tiles", "recompute by grid rows (pass 1)", "recompute"),
+    (cce.backward.run, "gradient_times_embeddings", "product dE = G C", "dE"),
+    (cce.backward.run, "listed_gradient_tiles", "recompute by lists (pass 2 or one pass)",
+    "listed"), (cce.backward.run, "gradient_times_classifier", "product dC = G^T E", "dC"),
 )
 
 

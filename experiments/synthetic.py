@@ -126,8 +126,9 @@ def sparsity_statistics(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     - ``entries_per_row``: mean number of softmax entries >= ``eps`` per row;
     - ``tiles_nonempty``: fraction of ``tile`` x ``tile`` blocks of the softmax (rows in order,
       ignored rows left out; vocabulary in id order) that hold one or more such entries;
-    - ``tiles_nonempty_sorted``: the same with the vocabulary in :func:`cce.forward.vocab_order.vocab_order`
-      order, the order CCE's backward walks; a tile with no entry >= eps is one it can skip;
+    - ``tiles_nonempty_sorted``: the same with the vocabulary in
+      :func:`cce.forward.vocab_order.vocab_order` order, the order CCE's backward walks; a tile
+      with no entry >= eps is one it can skip;
     - ``mass_above_eps``: mean over rows of the softmax probability that the row's entries
       >= ``eps`` hold; the rest is what skipping the tiles without such entries can drop.
 

@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-import cce.backward_plan
-import cce.classifier_product
-from cce.backward_plan import BackwardPlan, ClassifierPlan, forced
+import cce.backward.plan
+import cce.backward.classifier_product
+from cce.backward.plan import BackwardPlan, ClassifierPlan, forced
 from cce.cce_function import loss_backward, loss_forward
 from cce.forward.classifier_sums import (classifier_sums, classifier_sums_by_kernel,
                                          classifier_sums_by_torch)
 from cce.config import kernel_configs
 from cce.host_copy import start_host_copy
-from cce.tile_lists import build_tile_lists
-from cce.partial_sums import sum_partials
+from cce.backward.tile_lists import build_tile_lists
+from cce.backward.partial_sums import sum_partials
 from tests.helpers import (Inputs, check, make_grad_output, make_inputs, peaked_inputs,
                            run_reference)
 from tests.reference import relative_error
@@ -190,7 +190,7 @@ def test_classifier_chunks_are_the_widest_that_fit(spare_tiles: int,
     block_tokens, block_vocab, dim = 32, 128, 256
     vocab = 60 * block_vocab - 5
     tiles_per_block = np.array([9] * 6 + torch.randint(0, 4, (54,), generator=gen).tolist())
-    chunks = cce.backward_plan._classifier_chunks(tiles_per_block, vocab, dim, block_tokens,
+    chunks = cce.backward.plan._classifier_chunks(tiles_per_block, vocab, dim, block_tokens,
                                              block_vocab, True, spare_tiles)
 
     def fits(blocks: range, in_spare: bool) -> bool:
@@ -255,7 +255,7 @@ def test_one_pass_chunks_write_only_rows_whose_tiles_were_read(spare_tiles: int,
     segments_per_row = dim // block_vocab
     vocab = 60 * block_vocab - 5
     tiles_per_block = np.array([4] * 10 + torch.randint(0, 3, (50,), generator=gen).tolist())
-    first_position, chunks = cce.backward_plan._one_pass_chunks(
+    first_position, chunks = cce.backward.plan._one_pass_chunks(
         tiles_per_block, vocab, dim, block_tokens, block_vocab, spare_tiles)
     tiles_before = np.concatenate([[0], np.cumsum(tiles_per_block)])
     slot_rows = -(-tiles_before[-1] * block_tokens // segments_per_row)
@@ -276,7 +276,7 @@ def test_one_pass_chunks_write_only_rows_whose_tiles_were_read(spare_tiles: int,
     first_in_spare = next(blocks for blocks, spare in chunks if spare)
     assert not writable(range(first_in_spare.start, first_in_spare.start + 1), False)
     too_many = np.full(60, vocab * segments_per_row // block_tokens // 60 + 1)
-    assert cce.backward_plan._one_pass_chunks(too_many, vocab, dim, block_tokens, block_vocab,
+    assert cce.backward.plan._one_pass_chunks(too_many, vocab, dim, block_tokens, block_vocab,
                                          spare_tiles) is None
 
 
@@ -420,12 +420,12 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator)
                          ids=["two-passes-paged", "two-passes-buffer", "one-pass"])
 def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
         passes: str, dim: int, device: str, gen: torch.Generator) -> None:
-    """On a Hopper GPU with 16-bit inputs, dC comes from cce.classifier_product, which copies
-    the rows of e by TMA. From the same forward it is the Triton product's dC to the bit: through
-    dC's free rows (paged) and the spare buffer, or through a buffer of its own where D is not a
-    whole number of segments (no one pass then); in two passes and in the one pass's slots;
+    """On a Hopper GPU with 16-bit inputs, dC comes from cce.backward.classifier_product, which
+    copies the rows of e by TMA. From the same forward it is the Triton product's dC to the bit:
+    through dC's free rows (paged) and the spare buffer, or through a buffer of its own where D is
+    not a whole number of segments (no one pass then); in two passes and in the one pass's slots;
     with partial token, vocabulary and output blocks."""
-    if not cce.classifier_product.available(torch.device(device), torch.bfloat16):
+    if not cce.backward.classifier_product.available(torch.device(device), torch.bfloat16):
         pytest.skip("needs a Hopper GPU and Triton 3.6")
     vocab, _ = _shape(torch.bfloat16, 9)
     tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7

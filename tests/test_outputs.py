@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cce
-from cce.backward_plan import BackwardPlan, forced
+from cce.backward.plan import BackwardPlan, forced
 from tests.helpers import (INTERPRETER_NON_FINITE_WARNINGS, V, Inputs, assert_matches,
                            confident_inputs, make_grad_output, make_inputs, peaked_inputs,
                            relative_error, run, run_reference, tolerances)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import cce
-from cce.backward_plan import BackwardPlan, forced
+from cce.backward.plan import BackwardPlan, forced
 from tests.helpers import (DTYPE_IDS, DTYPES, Inputs, check, make_grad_output, make_inputs,
                            peaked_inputs, run, run_reference)
 from tests.reference import relative_error

@@ -16,7 +16,7 @@ import torch
 from cce.config import deterministic_head_blocks, kernel_configs
 from cce.forward.indexed_dot import indexed_dot
 from cce.forward.lse_forward import lse_forward
-from cce.live_tiles import live_tiles
+from cce.backward.live_tiles import live_tiles
 from cce.forward.vocab_order import target_positions, vocab_order
 from tests.helpers import INTERPRETER_NON_FINITE_WARNINGS, peaked_inputs
 
@@ -305,7 +305,7 @@ def test_a_training_call_reads_c_once_for_the_order_and_the_mean_row(
     """The vocabulary order's average logits and the mass correction's mean row of c come from
     one read of c, in the forward; without sorting, the backward reads c for the mean row."""
     import cce
-    import cce.sparse_tile_matmul
+    import cce.backward.sparse_tile_matmul
     import cce.forward.vocab_order
     from cce.forward.classifier_sums import classifier_sums
 
@@ -316,7 +316,7 @@ def test_a_training_call_reads_c_once_for_the_order_and_the_mean_row(
         return classifier_sums(*args, **kwargs)
 
     monkeypatch.setattr(cce.forward.vocab_order, "classifier_sums", counted)
-    monkeypatch.setattr(cce.sparse_tile_matmul, "classifier_sums", counted)
+    monkeypatch.setattr(cce.backward.sparse_tile_matmul, "classifier_sums", counted)
     e, c, targets = peaked_inputs(gen, device, N, V, D)
     e.requires_grad_()
     c.requires_grad_()

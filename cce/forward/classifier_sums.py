@@ -2,9 +2,9 @@
 sum of the rows.
 
 A training call needs both, and each reads all of ``c`` (V x D, the largest input): the
-vocabulary order ranks rows by ``c_v . mean(e)`` (:mod:`cce.forward.vocab_order`), and the backward's
-mass correction adds back what the filter dropped along the mean row of ``c``
-(:class:`cce.sparse_tile_matmul.FilterCorrection`). One pass gives both.
+vocabulary order ranks rows by ``c_v . mean(e)`` (:mod:`cce.forward.vocab_order`), and the
+backward's mass correction adds back what the filter dropped along the mean row of ``c``
+(:class:`cce.backward.sparse_tile_matmul.FilterCorrection`). One pass gives both.
 
 The programs form a grid of row chunks x D slices. Each walks its chunk's row blocks within its
 slice: the column sums accumulate in registers and are written once, to the chunk's row of a

@@ -419,9 +419,9 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 may_copy_classifier: bool = False,
                 ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
     """float32 (N,) log-sum-exp of every row and, when ``target_logit`` (float32 (N,), from
-    :func:`cce.forward.indexed_dot.indexed_dot`) is given, the float32 table of log-probability bounds
-    of the live-tile grid (in ``vocab_order``): every softmax entry of a tile on a non-ignored
-    row (``targets >= 0``) is at most exp(its bound); -inf where a tile has no such row.
+    :func:`cce.forward.indexed_dot.indexed_dot`) is given, the float32 table of log-probability
+    bounds of the live-tile grid (in ``vocab_order``): every softmax entry of a tile on a
+    non-ignored row (``targets >= 0``) is at most exp(its bound); -inf where a tile has no such row.
 
     ``left_out``: int32 (N,) a position of the order (the vocabulary index without sorting)
     per row, -1 for none: the LSE is then of the row's other logits. Given each row's target,
@@ -444,8 +444,8 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     ``deterministic``: the spin-lock merge's order varies between calls, and with it the LSE's
     last bits; instead, the returned LSE merges every program's partial LSE in a fixed order
     afterwards (bitwise reproducible on one device, a few more small launches). The bounds, which
-    decide which tiles the backward recomputes (:func:`cce.live_tiles.live_tiles`), do not read
-    other programs' merges then: the head of the order runs first, in a launch of its own
+    decide which tiles the backward recomputes (:func:`cce.backward.live_tiles.live_tiles`), do not
+    read other programs' merges then: the head of the order runs first, in a launch of its own
     (``config.deterministic_head_blocks``), and its LSE bounds every later program's rows.
 
     ``may_copy_classifier``: the caller allows a sorted copy of ``c`` for the call's duration

@@ -2,10 +2,11 @@
 dtype, in one launch.
 
 When a chunk of the dE product has too few output blocks to fill the GPU, each block's list is
-split among several programs that write float32 partial sums (:mod:`cce.sparse_tile_matmul`).
-At D = 640 a chunk takes about 17 splits: summing them with torch took one launch per split
-plus a copy, and those ~18 launches per chunk cost more host time than the GPU spent on them,
-so the GPU waited. The splits are added in order, from the first, in float32, as torch did.
+split among several programs that write float32 partial sums
+(:mod:`cce.backward.sparse_tile_matmul`). At D = 640 a chunk takes about 17 splits: summing them
+with torch took one launch per split plus a copy, and those ~18 launches per chunk cost more host
+time than the GPU spent on them, so the GPU waited. The splits are added in order, from the
+first, in float32, as torch did.
 """
 
 from __future__ import annotations

@@ -60,13 +60,13 @@ def live_tiles(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Te
     at least ``filter_eps`` and 0 where the forward's log-probability bound of the tile proves
     it cannot.
 
-    ``tile_bound`` covers the non-ignored tokens only (see :func:`cce.forward.lse_forward.lse_forward`),
-    so ignored tokens (a masked prompt) do not keep tiles live. An ignored token whose
-    probabilities do carry a gradient (through the returned LSE, ``prob_scale != 0``) is not
-    covered: its whole token block stays live. Tiles that hold a token's target are always live
-    (their gradient has the -1 of the target). A NaN bound, or an LSE that is not finite, keeps
-    the tile live, so NaN and infinite inputs still reach the gradients. ``target_positions``:
-    from :func:`cce.forward.vocab_order.target_positions`.
+    ``tile_bound`` covers the non-ignored tokens only (see
+    :func:`cce.forward.lse_forward.lse_forward`), so ignored tokens (a masked prompt) do not keep
+    tiles live. An ignored token whose probabilities do carry a gradient (through the returned LSE,
+    ``prob_scale != 0``) is not covered: its whole token block stays live. Tiles that hold a token's
+    target are always live (their gradient has the -1 of the target). A NaN bound, or an LSE that is
+    not finite, keeps the tile live, so NaN and infinite inputs still reach the gradients.
+    ``target_positions``: from :func:`cce.forward.vocab_order.target_positions`.
     """
     num_token_blocks, num_vocab_blocks = tile_bound.shape
     live = torch.empty((num_token_blocks, num_vocab_blocks), dtype=torch.int32,

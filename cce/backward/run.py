@@ -1,12 +1,12 @@
 """Backward (paper Alg. 3): dE and dC from logit-gradient tiles recomputed once per pass.
 
-Planned, then run: :mod:`cce.backward_plan` decides the path, the chunks, the scratch and the
+Planned, then run: :mod:`cce.backward.plan` decides the path, the chunks, the scratch and the
 launch settings on the host, once per call; :func:`run_backward` launches the kernels in that
 order. What follows is the plan's schedule.
 
 Two passes over the tile grid, each in chunks. A chunk's surviving tiles of ``G`` (the gradient
-of the logits) are recomputed once and stored (:mod:`cce.gradient_tiles`), then multiplied by
-block-sparse products that own their outputs (:mod:`cce.sparse_tile_matmul`):
+of the logits) are recomputed once and stored (:mod:`cce.backward.gradient_tiles`), then multiplied
+by block-sparse products that own their outputs (:mod:`cce.backward.sparse_tile_matmul`):
 
 1. dE, chunks of token blocks x the whole vocabulary: ``dE[chunk] = G[chunk] C``. The chunk is
    stored in dC's memory, which is not written yet, so a chunk of whole rows of the grid holds
@@ -38,7 +38,7 @@ Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; 
 is accumulated in float32 on-chip and written once, without atomics, so the result is
 deterministic (the filter correction's kept mass is added up atomically, but in integers).
 Label smoothing's rank-one term of G, which has an entry in every tile, is added by the products
-in closed form (:mod:`cce.sparse_tile_matmul`), so it keeps no tile live.
+in closed form (:mod:`cce.backward.sparse_tile_matmul`), so it keeps no tile live.
 Tiles that the forward's bounds prove negligible (``live_tiles``) are never recomputed; pass 1
 records which tiles survive the exact filter, so pass 2 only recomputes those.
 """
@@ -49,13 +49,13 @@ from typing import Optional
 
 import torch
 
-from cce.backward_plan import (BackwardPlan, BackwardRequest, CorrectionInputs, plan_backward,
+from cce.backward.plan import (BackwardPlan, BackwardRequest, CorrectionInputs, plan_backward,
                                plan_pass_two)
-from cce.gradient_tiles import RecomputeInputs, gradient_tiles, listed_gradient_tiles
-from cce.scratch import Scratch
-from cce.sparse_tile_matmul import (RankOneUpdate, gradient_times_classifier,
+from cce.backward.gradient_tiles import RecomputeInputs, gradient_tiles, listed_gradient_tiles
+from cce.backward.scratch import Scratch
+from cce.backward.sparse_tile_matmul import (RankOneUpdate, gradient_times_classifier,
                                     gradient_times_embeddings)
-from cce.tile_lists import ListedTiles
+from cce.backward.tile_lists import ListedTiles
 
 __all__ = ["BackwardRequest", "CorrectionInputs", "linear_cross_entropy_backward",
            "run_backward"]
@@ -67,16 +67,16 @@ Gradients = tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch
 def linear_cross_entropy_backward(recompute: RecomputeInputs,
                                   request: BackwardRequest) -> Gradients:
     """(dE, dC, dbias), each None when not needed, of the tiles ``recompute`` describes
-    (:class:`cce.gradient_tiles.RecomputeInputs`). When ``c`` is one shard of the vocabulary
-    (:mod:`cce.vocab_parallel`), ``recompute.lse`` is the whole vocabulary's."""
+    (:class:`cce.backward.gradient_tiles.RecomputeInputs`). When ``c`` is one shard of the
+    vocabulary (:mod:`cce.vocab_parallel`), ``recompute.lse`` is the whole vocabulary's."""
     plan = plan_backward(recompute, request)
     return run_backward(plan, recompute)
 
 
 def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
-    """Launch the kernels of ``plan`` (:func:`cce.backward_plan.plan_backward`), in order: the
+    """Launch the kernels of ``plan`` (:func:`cce.backward.plan.plan_backward`), in order: the
     one pass's recompute and dE product, or pass 1's chunks; then dC's chunks. Decides
-    nothing: pass 2's chunks come from :func:`cce.backward_plan.plan_pass_two`."""
+    nothing: pass 2's chunks come from :func:`cce.backward.plan.plan_pass_two`."""
     e, c, vocab_order, rank_one = (recompute.e, recompute.c, recompute.vocab_order,
                                    recompute.rank_one)
     configs, correction, classifier = plan.configs, plan.correction, plan.classifier

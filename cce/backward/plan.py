@@ -28,22 +28,22 @@ import numpy as np
 import torch
 import triton
 
-from cce import classifier_product
+from cce.backward import classifier_product
 from cce.config import (DEDICATED_SCRATCH_BYTES, SLOT_CHUNK_TOKENS, SPARE_SCRATCH_BYTES,
                         KernelConfig, KernelConfigs, kernel_configs, sm_utilization,
                         split_count, whole_waves)
-from cce.gradient_tiles import RecomputeInputs
+from cce.backward.gradient_tiles import RecomputeInputs
 from cce.host_copy import start_host_copy
-from cce.scratch import Scratch, rows_can_hold_segments
-from cce.sparse_tile_matmul import FilterCorrection, ProductSettings
-from cce.tile_lists import ListedTiles, TileLists
+from cce.backward.scratch import Scratch, rows_can_hold_segments
+from cce.backward.sparse_tile_matmul import FilterCorrection, ProductSettings
+from cce.backward.tile_lists import ListedTiles, TileLists
 
 
 class CorrectionInputs(NamedTuple):
     """What ``filter_correction`` reads besides the recompute's inputs
-    (:class:`cce.sparse_tile_matmul.FilterCorrection`): ``counted_mass``, float32 (N,), each row's
-    softmax mass in the entries the tiles add up, those of ``c`` off its target (None: all of
-    them); ``classifier_row_sum``, float32 (D,) ``c.sum(0)`` where the forward has it (None:
+    (:class:`cce.backward.sparse_tile_matmul.FilterCorrection`): ``counted_mass``, float32 (N,),
+    each row's softmax mass in the entries the tiles add up, those of ``c`` off its target (None:
+    all of them); ``classifier_row_sum``, float32 (D,) ``c.sum(0)`` where the forward has it (None:
     the backward reads ``c`` for it)."""
 
     counted_mass: Optional[torch.Tensor] = None
@@ -79,7 +79,7 @@ class PlanChoices:
     rows take several chunks, however many tokens they hold; False, whole rows.
     ``spare_bytes``: the spare buffer's size (it holds one vocabulary block's tiles at least).
     ``splits``: programs per output block of every dE product. ``triton_classifier_product``:
-    the Triton dC product even where :mod:`cce.classifier_product` runs."""
+    the Triton dC product even where :mod:`cce.backward.classifier_product` runs."""
 
     one_pass: Optional[bool] = None
     slots: Optional[bool] = None
@@ -650,7 +650,7 @@ def _embeddings_product(problem: _Problem, token_blocks: int, slot_map: bool,
 
 def _classifier_product(problem: _Problem, pages: Optional[torch.Tensor]) -> ProductSettings:
     """The settings of the dC products, whose tiles lie in the rows of ``pages`` (dC) or in
-    buffers of their own (None); on Hopper GPUs :mod:`cce.classifier_product`'s where it
+    buffers of their own (None); on Hopper GPUs :mod:`cce.backward.classifier_product`'s where it
     applies. It pays at every benchmark shape and batch size measured."""
     configs, recompute = problem.configs, problem.recompute
     by_tma = (not problem.choices.triton_classifier_product and classifier_product.usable(

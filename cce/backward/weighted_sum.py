@@ -4,8 +4,8 @@ The products of the label-smoothing gradient's rank-one term (:mod:`cce.weightin
 them: ``w^T C`` over the vocabulary and ``u^T E`` over the tokens. ``torch.mv`` would round them
 to the inputs' 16-bit dtype, and a float32 copy of the matrix would cost as much memory as the
 gradient it serves. Here each program sums a range of rows in float32 registers and writes a
-float32 partial sum; the partial sums are added up in order (:mod:`cce.partial_sums`), so the
-result is deterministic.
+float32 partial sum; the partial sums are added up in order (:mod:`cce.backward.partial_sums`), so
+the result is deterministic.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from cce.config import split_count
-from cce.partial_sums import sum_partials
+from cce.backward.partial_sums import sum_partials
 
 _BLOCK_ROWS = 64
 _BLOCK_DIM = 128

@@ -2,7 +2,7 @@
 
 Tiles are recomputed on-chip (one N x V x D product's worth of work for a whole chunk), filtered
 exactly (gradient filtering: every entry below ``filter_eps``) and stored in the chunk's scratch
-(:mod:`cce.scratch`) in the input dtype, for the products that follow.
+(:mod:`cce.backward.scratch`) in the input dtype, for the products that follow.
 
 - Pass 1 (:func:`gradient_tiles`): one program per tile of the chunk's rows of the live grid.
   Tiles that the forward's bounds prove negligible are skipped without a recompute; ``flags``
@@ -10,11 +10,11 @@ exactly (gradient filtering: every entry below ``filter_eps``) and stored in the
   the grid, or, given a slot for every live tile, only their slots: a chunk of the same scratch
   then holds more rows. With ``kept_mass``, it also adds up each row's softmax mass in the
   stored tiles (off its target), for the dE product's estimate of what the filter dropped
-  (:mod:`cce.sparse_tile_matmul`). The sum is in fixed point (units of 2^-62), so that
+  (:mod:`cce.backward.sparse_tile_matmul`). The sum is in fixed point (units of 2^-62), so that
   the atomic additions are exact and the result does not depend on their order.
 - Pass 2 (:func:`listed_gradient_tiles`): one program per tile of the chunk's lists, the tiles
-  pass 1 stored (:mod:`cce.tile_lists`), each stored in a slot of its own, so that the chunk's
-  scratch holds only those.
+  pass 1 stored (:mod:`cce.backward.tile_lists`), each stored in a slot of its own, so that the
+  chunk's scratch holds only those.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import triton.language as tl
 
 from cce.config import KernelConfigs, dot_precision
 from cce.logit_tile import logit_gradient_tile, round_to, vocab_block_entries
-from cce.tile_lists import TileLists
-from cce.scratch import Scratch, segment_offsets
+from cce.backward.tile_lists import TileLists
+from cce.backward.scratch import Scratch, segment_offsets
 from cce.weighting import EntropyTerm, RankOneTerm
 
 KEPT_MASS_ONE = tl.constexpr(2**62)  # a softmax mass m is added up as int64 m * 2^62

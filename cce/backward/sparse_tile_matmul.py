@@ -3,11 +3,11 @@ the stored logit-gradient tiles of one chunk and skipping the filtered ones.
 
 Each program owns one block of output rows (a block of the live grid) and BLOCK_OUT columns,
 and accumulates in float32 registers the products of the live tiles of its row of the grid,
-found in a list (:mod:`cce.tile_lists`: the grid blocks with a stored tile, ``tile_counts`` of
-them). Walking a list instead of testing every tile keeps the loop free of branches, so Triton can
-pipeline its loads. The output is written once, in its dtype: no atomics, deterministic. When
+found in a list (:mod:`cce.backward.tile_lists`: the grid blocks with a stored tile, ``tile_counts``
+of them). Walking a list instead of testing every tile keeps the loop free of branches, so Triton
+can pipeline its loads. The output is written once, in its dtype: no atomics, deterministic. When
 the output has too few blocks to fill the GPU, each list is split among SPLITS programs that
-write float32 partial sums, added up afterwards (dE only; :mod:`cce.partial_sums`).
+write float32 partial sums, added up afterwards (dE only; :mod:`cce.backward.partial_sums`).
 
 - dE (TRANSPOSED=False): output rows are the chunk's tokens; the list walks vocabulary blocks;
   the second operand is rows of c, through the vocabulary order.
@@ -24,8 +24,8 @@ epilogue, in float32 before the output is rounded: ``u (w^T C)`` to dE, ``w (u^T
 
 Gradient filtering drops entries of G. With a ``FilterCorrection`` (dE only), the product adds
 them back as an estimate: each row's dropped probability mass (one minus the kept mass, which
-pass 1 sums, :mod:`cce.gradient_tiles`) times the mean classifier row. The dropped entries are
-many small ones, and language models' classifier rows share a direction, so this removes most
+pass 1 sums, :mod:`cce.backward.gradient_tiles`) times the mean classifier row. The dropped entries
+are many small ones, and language models' classifier rows share a direction, so this removes most
 of the filter's dE error (docs/notes/filtering-accuracy.md).
 """
 
@@ -37,15 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
-from cce import classifier_product
+from cce.backward import classifier_product
 from cce.forward.classifier_sums import classifier_sums
 from cce.config import KernelConfig, dot_precision
-from cce.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
-from cce.tile_lists import TileLists, build_tile_lists
+from cce.backward.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
+from cce.backward.tile_lists import TileLists, build_tile_lists
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
-from cce.partial_sums import sum_partials
-from cce.scratch import Scratch, segment_offsets
-from cce.weighted_sum import weighted_sum
+from cce.backward.partial_sums import sum_partials
+from cce.backward.scratch import Scratch, segment_offsets
+from cce.backward.weighted_sum import weighted_sum
 from cce.weighting import RankOneTerm
 
 
@@ -54,7 +54,7 @@ class FilterCorrection(NamedTuple):
 
     mean_row: torch.Tensor  # float32 (D,): the mean row of c
     prob_scale: torch.Tensor  # float32 (N,), as in cce.logit_tile.logit_gradient_tile
-    kept_mass: torch.Tensor  # int64 (N,): fixed point, see cce.gradient_tiles
+    kept_mass: torch.Tensor  # int64 (N,): fixed point, see cce.backward.gradient_tiles
 
     @classmethod
     def of(cls, c: torch.Tensor, prob_scale: torch.Tensor,
@@ -236,11 +236,11 @@ def sparse_tile_matmul_kernel(
 
 
 class ProductSettings(NamedTuple):
-    """How one product launch runs, as the backward's plan decided it (:mod:`cce.backward_plan`):
+    """How one product launch runs, as the backward's plan decided it (:mod:`cce.backward.plan`):
     the live grid's tiles, the configuration its warps, stages and step depth come from, the
     output columns per program, the programs per output block (``splits``, dE only), whether
     every token, vocabulary and output block is whole (no masks, shallower steps), and whether
-    the dC product is :mod:`cce.classifier_product`'s."""
+    the dC product is :mod:`cce.backward.classifier_product`'s."""
 
     grid: KernelConfig
     config: KernelConfig
@@ -286,7 +286,7 @@ def gradient_times_classifier(scratch: Scratch, tile_lists: TileLists, e: torch.
     (:meth:`RankOneUpdate.for_classifier`) when given. ``chunk_slots``: the scratch holds the
     chunk's tiles from its slot 0 (pass 2); False: every block's tiles, numbered over all blocks
     (``tile_lists`` is then a slice of lists built for every block). With ``settings.by_tma``
-    the product is :mod:`cce.classifier_product`'s."""
+    the product is :mod:`cce.backward.classifier_product`'s."""
     if settings.by_tma:
         classifier_product.gradient_times_classifier_tma(
             scratch, tile_lists, e, vocab_order, grad_c, vocab_blocks, chunk_slots, settings)

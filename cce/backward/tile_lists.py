@@ -26,8 +26,8 @@ _INTERPRETER_BLOCK_COLUMNS = 64
 
 
 @triton.jit
-def build_tile_lists_kernel(flags_ptr, lists_ptr, counts_ptr, num_columns, stride_row, stride_column,
-                      BLOCK_COLUMNS: tl.constexpr):
+def build_tile_lists_kernel(flags_ptr, lists_ptr, counts_ptr, num_columns, stride_row,
+                            stride_column, BLOCK_COLUMNS: tl.constexpr):
     row = tl.program_id(0)
     flags_row = flags_ptr + row.to(tl.int64) * stride_row
     list_row = lists_ptr + row.to(tl.int64) * num_columns
@@ -60,9 +60,9 @@ def build_tile_lists(flags: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]"
 @dataclass(frozen=True)
 class TileLists:
     """Pass 2's tiles, per vocabulary block (row): the token blocks of its tiles (``lists``,
-    ``counts`` of them, see :func:`build_tile_lists`) and the place of its first tile among the tiles of
-    all blocks (``first_slots``, int32). A chunk of rows stores the k-th tile of its row r in
-    slot ``first_slots[r] - first_slots[0] + k`` of its scratch (:meth:`rows`: ``first_slots[0]``
+    ``counts`` of them, see :func:`build_tile_lists`) and the place of its first tile among the
+    tiles of all blocks (``first_slots``, int32). A chunk of rows stores the k-th tile of its row r
+    in slot ``first_slots[r] - first_slots[0] + k`` of its scratch (:meth:`rows`: ``first_slots[0]``
     is the chunk's first tile)."""
 
     lists: torch.Tensor

@@ -1,8 +1,8 @@
 """Backward, the dC product on Hopper GPUs: ``dC = G^T E`` with the rows of e copied as tiles by
 the tensor memory accelerator (TMA), in a warp-specialized Gluon kernel.
 
-Same work and result as :func:`cce.sparse_tile_matmul.gradient_times_classifier` (one program
-per block of 128 vocabulary positions and BLOCK_OUT columns of dC, walking the list of the
+Same work and result as :func:`cce.backward.sparse_tile_matmul.gradient_times_classifier` (one
+program per block of 128 vocabulary positions and BLOCK_OUT columns of dC, walking the list of the
 token blocks whose tiles are stored in its slots), written out by hand:
 
     producer (4 warps), step k            consumer (8 warps = 2 warp groups), step k
@@ -22,7 +22,7 @@ contiguous. The stored tiles still come by cp.async: their segments lie wherever
 says.
 
 Used where :func:`usable` says so (16-bit inputs on a Hopper GPU with Triton 3.6, no bias
-gradient or rank-one term, rows of e in 16-byte pieces); :mod:`cce.sparse_tile_matmul` does
+gradient or rank-one term, rows of e in 16-byte pieces); :mod:`cce.backward.sparse_tile_matmul` does
 everything else. It pays at every benchmark shape and batch size measured, from N = 1024 and D =
 640 up (``docs/notes/backward.md``, "What feeds the products").
 """
@@ -35,11 +35,11 @@ import torch
 import triton
 
 from cce.config import KernelConfig, interpreting, tma_copies_rows
-from cce.tile_lists import TileLists
-from cce.scratch import Scratch
+from cce.backward.tile_lists import TileLists
+from cce.backward.scratch import Scratch
 
 if TYPE_CHECKING:
-    from cce.sparse_tile_matmul import ProductSettings
+    from cce.backward.sparse_tile_matmul import ProductSettings
 
 try:
     from triton.experimental import gluon
@@ -93,8 +93,9 @@ if gluon is not None:
                          SEGMENTS_PER_PAGE: gl.constexpr, IN_ORDER: gl.constexpr,
                          BLOCK: gl.constexpr, DEPTH: gl.constexpr):
         """Where step ``step``'s DEPTH token rows of the stored tile start: its tile is in slot
-        ``first_slot + step // STEPS``. (The Gluon twin of :func:`cce.scratch.segment_offsets`,
-        a Triton function, which Gluon cannot call.)"""
+        ``first_slot + step // STEPS``. (The Gluon twin of
+        :func:`cce.backward.scratch.segment_offsets`, a Triton function, which Gluon cannot
+        call.)"""
         STEPS: gl.constexpr = BLOCK // DEPTH
         segments = ((first_slot + step // STEPS).to(gl.int64) * BLOCK + (step % STEPS) * DEPTH
                     + rows)
@@ -221,8 +222,8 @@ def gradient_times_classifier_tma(scratch: Scratch, tile_lists: TileLists, e: to
                                   vocab_order: Optional[torch.Tensor], grad_c: torch.Tensor,
                                   vocab_blocks: range, chunk_slots: bool,
                                   settings: "ProductSettings") -> None:
-    """As :func:`cce.sparse_tile_matmul.gradient_times_classifier` without a bias gradient or
-    rank-one term; the plan checked :func:`usable`."""
+    """As :func:`cce.backward.sparse_tile_matmul.gradient_times_classifier` without a bias gradient
+    or rank-one term; the plan checked :func:`usable`."""
     config, block, block_out = settings.config, settings.grid.block_tokens, settings.block_out
     layout = gl.NVMMASharedLayout.get_default_for(
         [config.step_depth, block_out], gl.bfloat16 if e.dtype == torch.bfloat16 else gl.float16)
