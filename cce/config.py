@@ -54,15 +54,20 @@ class KernelConfigs:
             raise ValueError("the forward's tiles must be one or two live-grid tiles")
 
 
+# The backward's settings of the interpreter and of float32 inputs on a GPU: 32-deep recompute
+# slices, 64 output columns per product program, no Hopper dC product.
+_SMALL_BACKWARD = {
+    "gradient_tiles": KernelConfig(block_dim=32),
+    "softcap_listed_gradient_tiles": KernelConfig(block_dim=32),
+    "sparse_tile_matmul": KernelConfig(block_out=64),
+    "classifier_product": KernelConfig(),
+}
 _INTERPRETER = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=32),
     lse_forward=KernelConfig(block_tokens=32, block_vocab=256, block_dim=32),
     live_grid=KernelConfig(block_tokens=32, block_vocab=128),
-    gradient_tiles=KernelConfig(block_dim=32),
-    softcap_listed_gradient_tiles=KernelConfig(block_dim=32),
-    sparse_tile_matmul=KernelConfig(block_out=64),
     whole_block_embeddings_product=KernelConfig(step_depth=64),
-    classifier_product=KernelConfig(),
+    **_SMALL_BACKWARD,
 )
 _GPU_16BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=128),
@@ -92,11 +97,8 @@ _GPU_32BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=64),
     lse_forward=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32),
     live_grid=KernelConfig(block_tokens=64, block_vocab=64),
-    gradient_tiles=KernelConfig(block_dim=32),
-    softcap_listed_gradient_tiles=KernelConfig(block_dim=32),
-    sparse_tile_matmul=KernelConfig(block_out=64),
     whole_block_embeddings_product=KernelConfig(),
-    classifier_product=KernelConfig(),
+    **_SMALL_BACKWARD,
 )
 
 # Forward programs per streaming multiprocessor: enough to hide the tail of uneven waves,
