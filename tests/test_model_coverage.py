@@ -348,7 +348,14 @@ def test_patched_model_is_exact(model_type: str, class_name: str, gen: torch.Gen
 
     # The mean over one big batch, without num_items_in_batch.
     with torch.no_grad():
-        expected_mean = reference(**inputs)
+        try:
+            expected_mean = reference(**inputs)
+        except Exception as error:
+            # Another transformers version's own forward may fail on the tiny config.
+            if transformers.__version__ == table_version():
+                raise
+            pytest.skip(f"the unpatched model fails with transformers "
+                        f"{transformers.__version__}: {error!r}")
         mean = model(**inputs)
     assert relative_error(mean.loss, expected_mean.loss) <= LOSS_TOLERANCE
     if getattr(expected_mean, "aux_loss", None) is not None:
@@ -400,12 +407,11 @@ def table() -> str:
 
 
 def test_the_support_table_is_what_this_file_finds() -> None:
-    found = table()
     if os.environ.get("CCE_WRITE_MODEL_TABLE"):
-        TABLE.write_text(found)
+        TABLE.write_text(table())
         return
-    committed = TABLE.read_text()
     if table_version() != transformers.__version__:
         pytest.skip(f"{TABLE.name} was written with another transformers version")
+    committed, found = TABLE.read_text(), table()
     assert committed == found, (f"{TABLE} is stale: regenerate it with "
                                 f"CCE_WRITE_MODEL_TABLE=1 python -m pytest {Path(__file__).name}")

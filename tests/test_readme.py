@@ -53,7 +53,8 @@ def test_every_example_is_run_here() -> None:
 
 def test_the_tensor_parallel_example_runs_as_written() -> None:
     """Its tensors come from the CPU example; its process group from the environment that
-    torchrun gives each rank, here of a group of one."""
+    torchrun gives each rank, here of a group of one, with no GPU visible (the default group of
+    a GPU machine would be NCCL's, which takes no CPU tensors)."""
     cpu_example, _, parallel_example = _python_blocks()
     with socket.socket() as probe:  # a free port for the group's rendezvous
         probe.bind(("127.0.0.1", 0))
@@ -62,4 +63,4 @@ def test_the_tensor_parallel_example_runs_as_written() -> None:
     _run(cpu_example + parallel_example
          + f"\nassert torch.allclose(loss, {unsharded})\ndist.destroy_process_group()\n",
          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-         WORLD_SIZE="1")
+         WORLD_SIZE="1", CUDA_VISIBLE_DEVICES="")
