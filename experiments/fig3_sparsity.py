@@ -423,9 +423,10 @@ def _blocks_per_tile(tile: int) -> int:
 
 def _blocks(logits: torch.Tensor) -> torch.Tensor:
     """(rows, ceil(V / BLOCK), BLOCK) view of consecutive runs of BLOCK columns, padded with
-    -inf."""
-    padded = torch.nn.functional.pad(logits, (0, (-logits.shape[1]) % BLOCK), value=-math.inf)
-    return padded.view(logits.shape[0], -1, BLOCK)
+    -inf (a copy only then: 256 MiB per chunk of 256 rows of 262,144)."""
+    padding = (-logits.shape[1]) % BLOCK
+    padded = torch.nn.functional.pad(logits, (0, padding), value=-math.inf) if padding else logits
+    return padded.reshape(logits.shape[0], -1, BLOCK)
 
 
 def _block_max(logits: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,9 @@ EPS = 2.0**-12
 
 
 # The quick shapes shrunk further, as tests/test_tables.py shrinks them: every method's row
-# still runs cce's kernels over several token and vocabulary blocks (32 x 128 in Triton's
-# interpreter), in a tenth of the quick shapes' time.
-TINY = dict(n_tokens=64, vocab_size=512, dim=32)
+# still runs cce's kernels over several token and vocabulary blocks (2 x 2 blocks of 32 x 128
+# in Triton's interpreter), in a tenth of the quick shapes' time.
+TINY = dict(n_tokens=64, vocab_size=256, dim=32)
 
 
 def test_quick_mode_writes_a_finite_row_for_every_method(

@@ -15,7 +15,7 @@ from typing import Optional
 import pytest
 import torch
 
-TINY_SIZE = dict(n_tokens=64, vocab_size=512, dim=32)
+TINY_SIZE = dict(n_tokens=64, vocab_size=256, dim=32)
 ERROR_COLUMNS = ("loss_rel_err", "de_rel_err", "dc_rel_err")
 
 

@@ -377,6 +377,44 @@ def test_alpaca_batch_aligns_hidden_states_and_targets(tokenizer, tmp_path: Path
     assert torch.equal(targets, torch.where(batch.response, batch.targets, IGNORE_INDEX))
 
 
+def test_one_gguf_reading_shares_a_reader_that_reads_what_gguf_reads(tmp_path: Path) -> None:
+    """In the block, every reading of the model's file gets one reader (on a plain array view
+    of the memory map), with the fields and tensors that gguf's own reader finds; other files
+    get gguf's own reader, and gguf's class is back after the block."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from experiments.real_model import _one_gguf_reading
+
+    path, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
+    for file in (path, other):
+        writer = gguf.GGUFWriter(file, "gemma3")
+        writer.add_uint32("gemma3.block_count", 2)
+        writer.add_array("tokenizer.ggml.tokens", ["<pad>", "\u2581instruction", "a", "é"])
+        writer.add_array("tokenizer.ggml.scores", [0.0, -1.5, -2.0, -3.0])
+        writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    original = gguf.GGUFReader
+    expected = original(path)
+
+    with _one_gguf_reading(path):
+        reader = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is reader
+        assert type(gguf.GGUFReader(other)) is original
+    assert gguf.GGUFReader is original
+
+    assert isinstance(reader, original) and type(reader.data) is np.ndarray
+    assert list(reader.fields) == list(expected.fields)
+    for name, field in expected.fields.items():
+        assert reader.fields[name].contents() == field.contents(), name
+    assert [(tensor.name, tensor.data.tolist()) for tensor in reader.tensors] == [
+        (tensor.name, tensor.data.tolist()) for tensor in expected.tensors]
+    assert reader.tensors[0].data.tolist() == np.arange(12).reshape(3, 4).tolist()
+
+
 def test_model_path_says_how_to_install_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     from experiments import real_model
 
@@ -426,13 +464,13 @@ def test_check_tokenizer_rejects_what_older_transformers_read_from_the_gguf() ->
 
 @functools.cache
 def _real_tokenizer():
-    """The GGUF file's tokenizer, wherever experiments.real_model finds the file (the package or
-    $CCE_GEMMA3_GGUF, as on the GPU machine); skips where it finds none. Read once per process:
-    each reading parses the file's 262k token strings (about 15 s on one CPU core)."""
-    path = real_model_path()
-    from transformers import AutoTokenizer
+    """The GGUF file's tokenizer as experiments.real_model reads it, wherever it finds the file
+    (the package or $CCE_GEMMA3_GGUF, as on the GPU machine); skips where it finds none. Read
+    once per process: each reading parses the file's 262k token strings."""
+    real_model_path()
+    from experiments.real_model import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return load_tokenizer()
 
 
 def test_real_tokenizer_reads_the_gguf_vocabulary() -> None:

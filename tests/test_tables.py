@@ -18,7 +18,7 @@ import pytest
 import torch
 
 MIB = 2**20
-TINY = dict(n_tokens=64, vocab_size=512, dim=32)
+TINY = dict(n_tokens=64, vocab_size=256, dim=32)
 TABLES = ("table1", "table_a2", "table_a1")
 MODELS = {"table1": ["Gemma 3 270M", "Gemma 2 2B"], "table_a1": ["Gemma 3 270M", "Gemma 2 2B"],
           "table_a2": ["Gemma 2 9B", "Gemma 2 27B", "Llama 3 8B", "Mistral NeMo",
