@@ -212,6 +212,12 @@ class _Problem(NamedTuple):
         return (triton.cdiv(self.recompute.e.shape[0], grid.block_tokens),
                 triton.cdiv(self.recompute.c.shape[0], grid.block_vocab))
 
+    def live_table(self) -> torch.Tensor:
+        """The live-tile table, or every tile live when there is none (no filter)."""
+        if self.request.live_tiles is not None:
+            return self.request.live_tiles
+        return torch.ones(self.grid_shape, dtype=torch.int32, device=self.recompute.e.device)
+
     @property
     def spare_bytes(self) -> int:
         spare = self.choices.spare_bytes
@@ -225,7 +231,6 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest) -> Backw
     problem = _Problem(recompute, request, kernel_configs(e.dtype),
                        _forced.choices if _forced is not None else PlanChoices(),
                        host_may_sync(e.device))
-    num_token_blocks, num_vocab_blocks = problem.grid_shape
     grad_c = (torch.empty(c.shape, dtype=c.dtype, device=c.device)
               if request.needs_grad_c else None)
     grad_bias = (torch.empty_like(recompute.bias)
@@ -233,7 +238,7 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest) -> Backw
     correction = one_pass = None
     if (request.needs_grad_e and request.needs_grad_c and problem.host_may_sync
             and (request.keep_tiles or _one_pass_may_pay(problem, grad_c))):
-        table = _live_table(request.live_tiles, num_token_blocks, num_vocab_blocks, e.device)
+        table = problem.live_table()
         listed = ListedTiles.of(table, problem.host_may_sync)
         # Queued behind the copy of the list lengths: the GPU runs it while the host plans.
         correction = _correction(recompute, request)
@@ -253,9 +258,8 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest) -> Backw
                                      else None),
                                  filters=not request.needs_grad_e)
         if pass_one is None:  # no pass 1: the live tiles, filtered in pass 2
-            classifier = _pass_two_plan(pass_two, ListedTiles.of(
-                _live_table(request.live_tiles, num_token_blocks, num_vocab_blocks, e.device),
-                problem.host_may_sync))
+            classifier = _pass_two_plan(pass_two, ListedTiles.of(problem.live_table(),
+                                                                 problem.host_may_sync))
             pass_two = None
     plan = BackwardPlan(problem.configs, problem.host_may_sync, request.live_tiles, grad_e,
                         grad_c, grad_bias, correction, one_pass, pass_one, classifier, pass_two)
@@ -659,14 +663,6 @@ def _classifier_product(problem: _Problem, pages: Optional[torch.Tensor]) -> Pro
     return ProductSettings(
         configs.live_grid, configs.classifier_product if by_tma else configs.sparse_tile_matmul,
         _block_out(configs, recompute.e.shape[1]), by_tma=by_tma)
-
-
-def _live_table(live_tiles: Optional[torch.Tensor], num_token_blocks: int,
-                num_vocab_blocks: int, device: torch.device) -> torch.Tensor:
-    """The live-tile table, or every tile live when there is none (no filter)."""
-    if live_tiles is not None:
-        return live_tiles
-    return torch.ones((num_token_blocks, num_vocab_blocks), dtype=torch.int32, device=device)
 
 
 def _slot_map(tile_lists: TileLists, transposed: bool = False) -> torch.Tensor:

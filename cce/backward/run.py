@@ -83,6 +83,9 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
     grid = configs.live_grid
     kept_mass = correction.kept_mass if correction is not None else None
     one_pass, pass_one = plan.one_pass, plan.pass_one
+    # dE's rank-one product (one pass or pass 1, never both).
+    embeddings_update = (RankOneUpdate.for_embeddings(rank_one, c)
+                         if rank_one is not None and plan.grad_e is not None else None)
     if one_pass is not None:
         table = one_pass.live_tiles
         listed_gradient_tiles(recompute, one_pass.scratch, one_pass.tile_lists,
@@ -90,16 +93,13 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
                               kept_mass=kept_mass)
         gradient_times_embeddings(one_pass.scratch, table, c, vocab_order, plan.grad_e,
                                   range(table.shape[0]), one_pass.product,
-                                  filter_correction=correction,
-                                  rank_one=(RankOneUpdate.for_embeddings(rank_one, c)
-                                            if rank_one is not None else None),
+                                  filter_correction=correction, rank_one=embeddings_update,
                                   slot_map=one_pass.slot_map)
     if pass_one is not None:
         flags = pass_one.flags
         scratch = (Scratch.dedicated(pass_one.buffer_segments, grid.block_vocab, e.dtype,
                                      e.device) if pass_one.buffer_segments
                    else Scratch.in_all_rows(plan.grad_c, grid.block_vocab))
-        update = RankOneUpdate.for_embeddings(rank_one, c) if rank_one is not None else None
         room = None
         for chunk in pass_one.chunks:
             room = _room_after(scratch, chunk.used_segments)
@@ -113,7 +113,7 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
                 listed = ListedTiles.of(flags, plan.host_may_sync)
             gradient_times_embeddings(scratch, flags, c, vocab_order, plan.grad_e,
                                       chunk.token_blocks, chunk.product, room=room,
-                                      filter_correction=correction, rank_one=update,
+                                      filter_correction=correction, rank_one=embeddings_update,
                                       slot_map=pass_one.slot_map, first_slot=chunk.first_slot)
         del scratch, room
         if plan.pass_two is not None:
