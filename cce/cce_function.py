@@ -23,6 +23,7 @@ from cce.config import check_interpreter_usable, kernel_configs
 from cce.backward.gradient_tiles import RecomputeInputs
 from cce.forward.indexed_dot import indexed_dot
 from cce.forward.lse_forward import lse_forward
+from cce.forward.plan import ForwardPlan, forward_outputs, plan_forward
 from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
 from cce.backward.live_tiles import live_tiles
 from cce.forward.vocab_order import sort_vocabulary, target_positions
@@ -52,44 +53,38 @@ class ForwardResults(NamedTuple):
 
 
 def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
-                    targets: torch.Tensor, softcap: Optional[float], records_bounds: bool,
-                    vocab_sorting: bool, *, logit_sum: Optional[torch.Tensor] = None,
+                    targets: torch.Tensor, softcap: Optional[float], plan: ForwardPlan, *,
+                    logit_sum: Optional[torch.Tensor] = None,
                     curvature_sum: Optional[torch.Tensor] = None,
-                    class_weight: Optional[torch.Tensor] = None, entropy: bool = False,
-                    argmax: bool = False, deterministic: bool = False,
-                    may_copy_classifier: bool = False) -> ForwardResults:
-    """Run the forward's kernels: vocabulary order, indexed dot, linear-log-sum-exp.
-    ``records_bounds``: a filtering backward will follow, so the forward records the bounds of
-    the live grid's tiles (else None) and, with ``vocab_sorting``, sorts the vocabulary first
-    (else the order is None: sorting only serves the backward's skipping), and with it the sum
-    of the rows of ``c``, from the same read, for the backward's mass correction. ``entropy``,
-    ``argmax``: also each row's entropy (and what its gradient needs) and argmax. ``logit_sum``,
-    ``curvature_sum``, ``class_weight``, ``deterministic``, ``may_copy_classifier``: see
-    :func:`cce.forward.lse_forward.lse_forward`."""
+                    class_weight: Optional[torch.Tensor] = None) -> ForwardResults:
+    """Run the forward's kernels as ``plan`` says (:mod:`cce.forward.plan`): vocabulary order,
+    indexed dot, linear-log-sum-exp. Without recorded bounds, ``tile_bound`` is None; without
+    sorting, the order and the row sum of ``c`` are. ``logit_sum``, ``curvature_sum``,
+    ``class_weight``: see :func:`cce.forward.lse_forward.lse_forward`."""
     order = row_sum = None
-    if records_bounds and vocab_sorting:
+    if plan.sorts:
         order, row_sum = sort_vocabulary(e, c, bias, targets)
     target_logit = indexed_dot(e, c, targets, bias, softcap)
     positions = target_positions(targets, order)
-    other_entropy = torch.zeros_like(target_logit) if entropy else None
-    row_argmax = torch.empty(targets.shape, dtype=torch.int64, device=e.device) if argmax \
-        else None
+    other_entropy = torch.zeros_like(target_logit) if plan.entropy else None
+    row_argmax = (torch.empty(targets.shape, dtype=torch.int64, device=e.device)
+                  if plan.argmax else None)
     # The target logits double as lower bounds of the LSE for the tile bounds.
     other_lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
-                                        target_logit if records_bounds else None,
+                                        target_logit if plan.records_bounds else None,
                                         left_out=positions, logit_sum=logit_sum,
                                         curvature_sum=curvature_sum, class_weight=class_weight,
                                         entropy=other_entropy, argmax=row_argmax,
-                                        deterministic=deterministic,
-                                        may_copy_classifier=may_copy_classifier)
+                                        deterministic=plan.deterministic,
+                                        copy_classifier=plan.copies_classifier)
     lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
     complement = target_complement(other_lse, lse)
     row_entropy = entropy_terms = None
-    if entropy:
+    if plan.entropy:
         row_entropy, mean, target_term = entropy_and_gradient_terms(
             other_entropy, other_lse, target_logit, lse, cross_entropy, complement, targets)
         entropy_terms = torch.stack([mean, target_term])
-    if argmax:
+    if plan.argmax:
         row_argmax = argmax_or_none(row_argmax, lse)
     return ForwardResults(order, positions, lse, cross_entropy, complement, tile_bound, row_sum,
                           row_entropy, entropy_terms, row_argmax)
@@ -116,25 +111,6 @@ def uses_filter_correction(filter_correction: bool, filter_eps: Optional[float],
 # --- The ops ---------------------------------------------------------------------------------
 
 
-def _records_bounds(filter_eps: Optional[float], needs_grad: bool) -> bool:
-    return needs_grad and filter_eps is not None
-
-
-def _sums_curvature(softcap: Optional[float], label_smoothing: float, needs_grad: bool) -> bool:
-    """Whether the forward sums each row's tanh^2: only the backward's split of the smoothing's
-    term under a softcap needs it (:meth:`cce.weighting.LossWeighting.rank_one_term`)."""
-    return bool(label_smoothing) and softcap is not None and needs_grad
-
-
-def _may_copy_classifier(e: torch.Tensor, needs_grad: bool, grad_c_follows: bool) -> bool:
-    """Whether the forward may hold a copy of ``c`` while its kernel runs
-    (:func:`cce.forward.lse_forward.classifier_by_position`): where the backward that follows takes
-    as much memory anyway, so that a training step's peak does not grow. That is dC; without dC,
-    the dE-only backward's buffer, as large as ``c`` from D tokens on
-    (:func:`cce.backward.plan._pass_one_buffer`)."""
-    return needs_grad and (grad_c_follows or e.shape[0] >= e.shape[1])
-
-
 @torch.library.custom_op("cce::loss_forward", mutates_args=())
 def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  targets: torch.Tensor, weight: Optional[torch.Tensor], softcap: Optional[float],
@@ -155,19 +131,20 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     (:attr:`ForwardResults.entropy_terms`) or empty. Targets are canonical (int64, -1 =
     ignored); ``weight`` (float32 (V,)) and ``label_smoothing`` as in :mod:`cce.weighting`.
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
-    ``grad_c_follows``: that backward computes dC (see :func:`_may_copy_classifier`);
+    ``grad_c_follows``: that backward computes dC (:func:`cce.forward.plan.plan_forward`);
     ``filter_correction`` and ``keep_tiles`` are the backward's (see :func:`loss_backward`);
     ``deterministic``: see :func:`cce.forward.lse_forward.lse_forward`."""
     check_interpreter_usable()
+    plan = plan_forward(e.shape[0], e.shape[1], filter_eps=filter_eps,
+                        vocab_sorting=vocab_sorting, softcap=softcap,
+                        label_smoothing=label_smoothing, needs_grad=needs_grad,
+                        grad_c_follows=grad_c_follows, entropy=return_entropy,
+                        argmax=return_argmax, deterministic=deterministic)
     logit_sum = (torch.zeros(targets.shape, dtype=torch.float32, device=e.device)
                  if label_smoothing else None)
-    curvature_sum = (torch.zeros_like(logit_sum)
-                     if _sums_curvature(softcap, label_smoothing, needs_grad) else None)
-    forward = forward_kernels(
-        e, c, bias, targets, softcap, _records_bounds(filter_eps, needs_grad), vocab_sorting,
-        logit_sum=logit_sum, curvature_sum=curvature_sum, class_weight=weight,
-        entropy=return_entropy, argmax=return_argmax, deterministic=deterministic,
-        may_copy_classifier=_may_copy_classifier(e, needs_grad, grad_c_follows))
+    curvature_sum = torch.zeros_like(logit_sum) if plan.sums_curvature else None
+    forward = forward_kernels(e, c, bias, targets, softcap, plan, logit_sum=logit_sum,
+                              curvature_sum=curvature_sum, class_weight=weight)
     loss = LossWeighting(weight, label_smoothing).token_loss(
         forward.cross_entropy, forward.lse, logit_sum, targets, c.shape[0])
     return (loss, forward.lse, _or_empty(forward.entropy, torch.float32, e.device),
@@ -184,22 +161,22 @@ def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_s
                        filter_correction, label_smoothing, deterministic, keep_tiles,
                        return_entropy, return_argmax, needs_grad, grad_c_follows):
     num_tokens, vocab_size = e.shape[0], c.shape[0]
-    records_bounds = _records_bounds(filter_eps, needs_grad)
+    plan = forward_outputs(filter_eps=filter_eps, vocab_sorting=vocab_sorting, softcap=softcap,
+                           label_smoothing=label_smoothing, needs_grad=needs_grad)
     grid = kernel_configs(e.dtype).live_grid  # lse_forward's table: one row per token block
     bound_shape = ((triton.cdiv(num_tokens, grid.block_tokens),
-                    triton.cdiv(vocab_size, grid.block_vocab)) if records_bounds else (0,))
-    sorts = records_bounds and vocab_sorting
+                    triton.cdiv(vocab_size, grid.block_vocab)) if plan.records_bounds
+                   else (0,))
     return (e.new_empty(num_tokens, dtype=torch.float32),
             e.new_empty(num_tokens, dtype=torch.float32),
             e.new_empty(num_tokens if return_entropy else 0, dtype=torch.float32),
             e.new_empty(num_tokens if return_argmax else 0, dtype=torch.int64),
             e.new_empty(num_tokens, dtype=torch.float32),
             e.new_empty(num_tokens, dtype=torch.int32),
-            e.new_empty(vocab_size if sorts else 0, dtype=torch.int32),
+            e.new_empty(vocab_size if plan.sorts else 0, dtype=torch.int32),
             e.new_empty(bound_shape, dtype=torch.float32),
-            e.new_empty(num_tokens if _sums_curvature(softcap, label_smoothing, needs_grad)
-                        else 0, dtype=torch.float32),
-            e.new_empty(e.shape[1] if sorts else 0, dtype=torch.float32),
+            e.new_empty(num_tokens if plan.sums_curvature else 0, dtype=torch.float32),
+            e.new_empty(e.shape[1] if plan.sorts else 0, dtype=torch.float32),
             e.new_empty((2, num_tokens) if return_entropy and needs_grad else (0,),
                         dtype=torch.float32))
 

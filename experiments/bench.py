@@ -58,6 +58,7 @@ import torch
 
 import cce
 from cce.cce_function import forward_kernels, recompute_table
+from cce.forward.plan import forward_outputs
 from cce.options import default_filter_eps
 from experiments.alpaca_data import add_data_argument
 from experiments.compare_impls import variants
@@ -645,8 +646,9 @@ def cce_table_fraction(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) 
     eps = default_filter_eps(e.dtype)
     targets = torch.where(targets >= 0, targets, -1)  # cce's canonical targets
     with torch.no_grad():
-        forward = forward_kernels(e, c, None, targets, None, records_bounds=True,
-                                  vocab_sorting=True)
+        plan = forward_outputs(filter_eps=eps, vocab_sorting=True, softcap=None,
+                               label_smoothing=0.0, needs_grad=True)
+        forward = forward_kernels(e, c, None, targets, None, plan)
         table = recompute_table(forward.tile_bound, forward.lse, (targets >= 0).float(),
                                 forward.target_positions, e.dtype, eps)
     return float(table.ne(0).float().mean())

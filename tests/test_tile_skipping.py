@@ -281,23 +281,20 @@ def test_ignored_row_with_lse_gradient_keeps_its_block_live(gen: torch.Generator
     assert bool((live[0] > 0).all())
 
 
-def test_forward_only_calls_prepare_no_backward(gen: torch.Generator, device: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_forward_only_calls_prepare_no_backward(gen: torch.Generator, device: str) -> None:
     """Under torch.no_grad the forward neither sorts the vocabulary nor records tile bounds,
     even when the inputs require gradients; with gradients enabled it does."""
     import cce
-    import cce.cce_function
+    from cce.forward.plan import forced
 
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("vocab_order ran")
-
-    monkeypatch.setattr(cce.cce_function, "sort_vocabulary", must_not_run)
     e, c, targets = peaked_inputs(gen, device, N, V, D)
     e.requires_grad_()
-    with torch.no_grad():
+    with forced() as plans:
+        with torch.no_grad():
+            cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
         cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
-    with pytest.raises(AssertionError, match="vocab_order ran"):
-        cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
+    assert [(plan.sorts, plan.records_bounds) for plan in plans] == [(False, False),
+                                                                      (True, True)]
 
 
 def test_a_training_call_reads_c_once_for_the_order_and_the_mean_row(
@@ -305,18 +302,16 @@ def test_a_training_call_reads_c_once_for_the_order_and_the_mean_row(
     """The vocabulary order's average logits and the mass correction's mean row of c come from
     one read of c, in the forward; without sorting, the backward reads c for the mean row."""
     import cce
-    import cce.backward.sparse_tile_matmul
-    import cce.forward.vocab_order
-    from cce.forward.classifier_sums import classifier_sums
+    from cce.forward import classifier_sums
 
     calls = []
+    read_c = classifier_sums.classifier_sums
 
     def counted(*args, **kwargs):
         calls.append(len(args) + len(kwargs))
-        return classifier_sums(*args, **kwargs)
+        return read_c(*args, **kwargs)
 
-    monkeypatch.setattr(cce.forward.vocab_order, "classifier_sums", counted)
-    monkeypatch.setattr(cce.backward.sparse_tile_matmul, "classifier_sums", counted)
+    monkeypatch.setattr(classifier_sums, "classifier_sums", counted)
     e, c, targets = peaked_inputs(gen, device, N, V, D)
     e.requires_grad_()
     c.requires_grad_()
@@ -336,10 +331,9 @@ def test_forward_copies_c_in_position_order_only_into_memory_the_backward_takes(
     sorting (no backward) c is read as it is. Loss and gradients are the gathering forward's,
     to the bit."""
     import cce
-    import cce.config
     import cce.forward.lse_forward
+    from cce.forward.plan import forced
 
-    monkeypatch.setattr(cce.config, "_COPY_CLASSIFIER_MIN_TOKENS", 0)  # small N on a GPU too
     e, c, targets = peaked_inputs(gen, device, N, V, D)
     e, c = e.bfloat16(), c.bfloat16()
     if not cce.forward.lse_forward._descriptor_ready(e):
@@ -347,8 +341,8 @@ def test_forward_copies_c_in_position_order_only_into_memory_the_backward_takes(
     read = []
     by_position = cce.forward.lse_forward.classifier_by_position
 
-    def spy(e_, c_, order, may_copy):
-        rows = by_position(e_, c_, order, may_copy)
+    def spy(e_, c_, order, copy):
+        rows = by_position(e_, c_, order, copy)
         read.append("gather" if rows is None else "c" if rows is c_ else "copy")
         return rows
 
@@ -361,13 +355,15 @@ def test_forward_copies_c_in_position_order_only_into_memory_the_backward_takes(
         loss.backward()
         return loss, e_.grad, c_.grad
 
-    copied = loss_and_gradients()
-    loss_and_gradients(frozen_c=True)
-    loss_and_gradients(tokens=D - 1, frozen_c=True)
-    with torch.no_grad():
-        cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
+    with forced(copy_min_tokens=0):  # small N on a GPU too
+        copied = loss_and_gradients()
+        loss_and_gradients(frozen_c=True)
+        loss_and_gradients(tokens=D - 1, frozen_c=True)
+        with torch.no_grad():
+            cce.linear_cross_entropy(e, c, targets, ignore_index=-1)
     assert read == ["copy", "copy", "gather", "c"]
-    monkeypatch.setattr(cce.forward.lse_forward, "classifier_by_position", lambda *args: None)
-    gathered = loss_and_gradients()
+    with forced(copies_classifier=False):
+        gathered = loss_and_gradients()
+    assert read[-1] == "gather"
     for by_copy, by_gather in zip(copied, gathered):
         assert torch.equal(by_copy, by_gather)

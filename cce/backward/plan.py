@@ -20,15 +20,15 @@ Tests force a choice (:class:`PlanChoices`) and read the plans made through :fun
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, replace
-from typing import Iterator, NamedTuple, Optional, Union
+from dataclasses import dataclass
+from typing import ContextManager, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
 import triton
 
 from cce.backward import classifier_product
+from cce.choices import Seam
 from cce.config import (DEDICATED_SCRATCH_BYTES, SLOT_CHUNK_TOKENS, SPARE_SCRATCH_BYTES,
                         KernelConfig, KernelConfigs, kernel_configs, sm_utilization,
                         split_count, whole_waves)
@@ -88,30 +88,16 @@ class PlanChoices:
     triton_classifier_product: bool = False
 
 
-class _Forced(NamedTuple):
-    choices: PlanChoices
-    plans: "list[Union[BackwardPlan, ClassifierPlan]]"
+_SEAM: Seam[PlanChoices] = Seam(PlanChoices())
 
 
-# A module global, not a context variable: autograd runs a CUDA backward on a thread of its own.
-_forced: Optional[_Forced] = None
-
-
-@contextlib.contextmanager
 def forced(**choices: Optional[Union[bool, int]]
-           ) -> "Iterator[list[Union[BackwardPlan, ClassifierPlan]]]":
+           ) -> "ContextManager[list[Union[BackwardPlan, ClassifierPlan]]]":
     """Within the block, every backward is planned with ``choices`` (:class:`PlanChoices`'
     fields; an enclosing block's too) as given, and the plans made are appended to the list
     yielded: each backward's :class:`BackwardPlan`, then its pass 2's :class:`ClassifierPlan`
     when pass 2 is planned during the run. The tests' seam."""
-    global _forced
-    previous = _forced
-    _forced = _Forced(replace(previous.choices if previous is not None else PlanChoices(),
-                              **choices), [])
-    try:
-        yield _forced.plans
-    finally:
-        _forced = previous
+    return _SEAM.forced(**choices)
 
 
 class PassOneChunk(NamedTuple):
@@ -229,7 +215,7 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest) -> Backw
     the gradients and queues the work of the one host sync."""
     e, c = recompute.e, recompute.c
     problem = _Problem(recompute, request, kernel_configs(e.dtype),
-                       _forced.choices if _forced is not None else PlanChoices(),
+                       _SEAM.choices,
                        host_may_sync(e.device))
     grad_c = (torch.empty(c.shape, dtype=c.dtype, device=c.device)
               if request.needs_grad_c else None)
@@ -263,14 +249,14 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest) -> Backw
             pass_two = None
     plan = BackwardPlan(problem.configs, problem.host_may_sync, request.live_tiles, grad_e,
                         grad_c, grad_bias, correction, one_pass, pass_one, classifier, pass_two)
-    _record(plan)
+    _SEAM.record(plan)
     return plan
 
 
 def plan_pass_two(sizing: PassTwoSizing, listed: ListedTiles) -> ClassifierPlan:
     """Pass 2's plan, once pass 1 has listed the tiles it kept (``listed``)."""
     plan = _pass_two_plan(sizing, listed)
-    _record(plan)
+    _SEAM.record(plan)
     return plan
 
 
@@ -292,11 +278,6 @@ def _pass_two_plan(sizing: PassTwoSizing, listed: ListedTiles) -> ClassifierPlan
             tiles_per_block, grad_c.shape[0], grad_c.shape[1], grid.block_tokens,
             grid.block_vocab, rows_can_hold_segments(grad_c, grid.block_vocab), spare_tiles)]
     return ClassifierPlan(tile_lists, spare_tiles, chunks, sizing.product, sizing.filters)
-
-
-def _record(plan: "Union[BackwardPlan, ClassifierPlan]") -> None:
-    if _forced is not None:
-        _forced.plans.append(plan)
 
 
 def host_may_sync(device: torch.device) -> bool:

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from cce.backward import classifier_product
-from cce.forward.classifier_sums import classifier_sums
+from cce.forward import classifier_sums
 from cce.config import KernelConfig, dot_precision
 from cce.backward.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.backward.tile_lists import TileLists, build_tile_lists
@@ -67,7 +67,7 @@ class FilterCorrection(NamedTuple):
         if row_sum is None:
             # Not torch.sum: on a GPU, its reduction over the rows stages partial sums in
             # buffers of 120-270 MB at these shapes (H200, measured).
-            row_sum = classifier_sums(c).row_sum
+            row_sum = classifier_sums.classifier_sums(c).row_sum
         kept_mass = torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device)
         if counted_mass is not None:
             # Starting from the mass the tiles do not add up (the target's, the other shards'),

@@ -43,8 +43,8 @@ try:
 except ImportError:  # a Triton without host-side descriptors: rows are gathered instead
     TensorDescriptor = None
 
-from cce.config import (copy_classifier_min_tokens, deterministic_head_blocks, dot_precision,
-                        forward_vocab_splits, interpreting, kernel_configs, tma_copies_rows)
+from cce.config import (deterministic_head_blocks, dot_precision, forward_vocab_splits,
+                        interpreting, kernel_configs, tma_copies_rows)
 from cce.logit_tile import (LOG2_E, finish_logits, holds_padding, logit_tile,
                             tile_product_by_descriptor, vocab_block_entries)
 from cce.weighting import entropy_of_parts, first_largest
@@ -340,21 +340,21 @@ def _merge_under_lock(lock, lse_ptr, logit_sum_ptr, curvature_sum_ptr, entropy_p
 
 
 def classifier_by_position(e: torch.Tensor, c: torch.Tensor, vocab_order: Optional[torch.Tensor],
-                           may_copy: bool) -> Optional[torch.Tensor]:
+                           copy: bool) -> Optional[torch.Tensor]:
     """``c`` with its rows in position order, for the tile products to read as blocks of
     consecutive rows by tensor descriptor (TMA on Hopper), or None where the rows are gathered
     through the order instead.
 
     Without sorting ``c`` is in position order already. With sorting it takes a copy
-    (``c.index_select``), made only when the caller allows it and the forward is long enough to
-    repay it: on an H200 the descriptors save 10-17% of the kernel's time and the copy costs
+    (``c.index_select``) when ``copy`` says so (the plan's choice, :mod:`cce.forward.plan`: where
+    the memory allows it and the forward is long enough to repay it): on an H200 the descriptors save 10-17% of the kernel's time and the copy costs
     about one read and one write of ``c`` (Llama 3 8B shape: 16.2 -> 14.1 ms for a 0.58 ms copy
     at N = 8192, 1.86 -> 1.58 ms at N = 1024; ``docs/notes/forward.md``)."""
     if not (_descriptor_ready(e) and _descriptor_ready(c)):
         return None
     if vocab_order is None:
         return c
-    if may_copy and e.shape[0] >= copy_classifier_min_tokens():
+    if copy:
         return c.index_select(0, vocab_order)
     return None
 
@@ -416,7 +416,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 entropy: Optional[torch.Tensor] = None,
                 argmax: Optional[torch.Tensor] = None,
                 argmax_value: Optional[torch.Tensor] = None, deterministic: bool = False,
-                may_copy_classifier: bool = False,
+                copy_classifier: bool = False,
                 ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
     """float32 (N,) log-sum-exp of every row and, when ``target_logit`` (float32 (N,), from
     :func:`cce.forward.indexed_dot.indexed_dot`) is given, the float32 table of log-probability
@@ -448,8 +448,8 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     read other programs' merges then: the head of the order runs first, in a launch of its own
     (``config.deterministic_head_blocks``), and its LSE bounds every later program's rows.
 
-    ``may_copy_classifier``: the caller allows a sorted copy of ``c`` for the call's duration
-    (where the backward takes as much memory anyway; see :func:`classifier_by_position`)."""
+    ``copy_classifier``: with sorting, read a copy of ``c`` in position order where descriptors
+    can (:func:`classifier_by_position`; the caller decides: :mod:`cce.forward.plan`)."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     configs = kernel_configs(e.dtype)
@@ -489,7 +489,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     tile_bound = (torch.empty((num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab)),
                               dtype=torch.float32, device=e.device) if record else None)
     e_desc = c_desc = None
-    c_by_position = classifier_by_position(e, c, vocab_order, may_copy_classifier)
+    c_by_position = classifier_by_position(e, c, vocab_order, copy_classifier)
     if c_by_position is not None:
         e_desc = TensorDescriptor.from_tensor(e, [config.block_tokens, config.block_dim])
         c_desc = TensorDescriptor.from_tensor(c_by_position,

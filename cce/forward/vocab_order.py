@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from cce.forward.classifier_sums import classifier_sums
+from cce.forward import classifier_sums
 
 
 class SortedVocabulary(NamedTuple):
@@ -29,7 +29,7 @@ def sort_vocabulary(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
     valid = (targets >= 0).to(e.dtype)
     # e.T @ valid avoids an (N, D) temporary; the scale of the mean does not change the order.
     mean_embedding = torch.mv(e.T, valid)
-    average_logit, row_sum = classifier_sums(c, mean_embedding)
+    average_logit, row_sum = classifier_sums.classifier_sums(c, mean_embedding)
     if bias is not None:
         average_logit = average_logit + bias.float() * valid.sum()
     # Stable: equal average logits (tied or repeated classifier rows) keep one order every call.
