@@ -150,18 +150,14 @@ def finish_logits(logits, bias_ptr, vocab, vocab_mask, softcap,
 
 @triton.jit
 def logit_gradient_tile(
-    e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_entry_ptr,
-    uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, entropy_scale_ptr, mean_logit_ptr,
-    rows, row_mask, vocab_block, vocab, vocab_mask, vocab_size, dim,
-    stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
-    UNIFORM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, ENTROPY: tl.constexpr,
+    operands, rows, row_mask, vocab_block, vocab, vocab_mask,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Recompute one tile and return (gradient of the pre-softcap logits in float32, keep, the
-    softmax mass of each row's non-target entries in the tile).
-    ``vocab_block``: the tile's block of vocabulary positions (``vocab`` = the entries at them).
+    softmax mass of each row's non-target entries in the tile), from ``operands``
+    (:class:`cce.backward.gradient_tiles.TileOperands`). ``vocab_block``: the tile's block of
+    vocabulary positions (``vocab`` = the entries at them).
 
     The gradient is ``prob_scale[i] * softmax_ij`` off the target and ``target_entry[i]`` at it
     (:func:`cce.weighting.target_entry`: computed from ``1 - p_t``, which a tile's
@@ -169,24 +165,30 @@ def logit_gradient_tile(
     derivative. ``keep`` is False when gradient filtering proves the tile negligible:
     every entry of ``softmax - onehot`` (on rows with a gradient) is below ``filter_eps``.
 
-    ``UNIFORM`` (label smoothing, :mod:`cce.weighting`): the gradient also has the term
-    ``uniform_scale[i] * class_weight[j]`` (weights 1 without ``HAS_CLASS_WEIGHT``), times the
-    softcap derivative, whose rank-one part the products add in closed form. With a softcap the
-    tile holds the rest, ``-uniform_scale[i] * class_weight[j] * (tanh^2 - curvature_mean[i])``,
-    which sums to 0 over the row: a skipped tile drops only its deviation from the mean.
+    Label smoothing (``operands.uniform``, :mod:`cce.weighting`): the gradient also has the term
+    ``uniform.scale[i] * uniform.weight[j]`` (weights 1 without them), times the softcap
+    derivative, whose rank-one part the products add in closed form. With a softcap the tile
+    holds the rest, ``-uniform.scale[i] * uniform.weight[j] * (tanh^2 -
+    uniform.curvature_mean[i])``, which sums to 0 over the row: a skipped tile drops only its
+    deviation from the mean.
 
-    ``ENTROPY`` (:class:`cce.weighting.EntropyTerm`): off the target, the entry's softmax factor
-    is ``prob_scale[i] + entropy_scale[i] * (z_ij - mean_logit[i])`` (the target's term is in
-    ``target_entry``).
+    The entropy (``operands.entropy``, :class:`cce.weighting.EntropyTerm`): off the target, the
+    entry's softmax factor is ``prob_scale[i] + entropy.scale[i] * (z_ij -
+    entropy.mean_logit[i])`` (the target's term is in ``target_entry``).
     """
+    HAS_BIAS: tl.constexpr = operands.bias is not None
+    HAS_SOFTCAP: tl.constexpr = operands.softcap is not None
+    ENTROPY: tl.constexpr = operands.entropy.scale is not None
+    softcap = operands.softcap
     # The rows' values are loaded before the tile's products, which hide their latency.
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    prob_scale = tl.load(prob_scale_ptr + rows, mask=row_mask, other=0.0)
-    target_entry = tl.load(target_entry_ptr + rows, mask=row_mask, other=0.0)
-    target_positions = tl.load(target_positions_ptr + rows, mask=row_mask, other=-1)
+    lse = tl.load(operands.lse + rows, mask=row_mask, other=0.0)
+    prob_scale = tl.load(operands.prob_scale + rows, mask=row_mask, other=0.0)
+    target_entry = tl.load(operands.target_entry + rows, mask=row_mask, other=0.0)
+    target_positions = tl.load(operands.target_positions + rows, mask=row_mask, other=-1)
     logits = logit_tile(
-        e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
-        stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
+        operands.e, operands.c, operands.bias, rows, row_mask, vocab, vocab_mask, operands.dim,
+        operands.e_strides[0], operands.e_strides[1], operands.c_strides[0],
+        operands.c_strides[1], softcap,
         HAS_BIAS, HAS_SOFTCAP, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
     )
 
@@ -197,27 +199,27 @@ def logit_gradient_tile(
     row_lse = tl.where(lse == float("inf"), float("nan"), lse)
     has_softmax = prob_scale != 0.0
     if ENTROPY:
-        entropy_scale = tl.load(entropy_scale_ptr + rows, mask=row_mask, other=0.0)
-        mean_logit = tl.load(mean_logit_ptr + rows, mask=row_mask, other=0.0)
+        entropy_scale = tl.load(operands.entropy.scale + rows, mask=row_mask, other=0.0)
+        mean_logit = tl.load(operands.entropy.mean_logit + rows, mask=row_mask, other=0.0)
         has_softmax |= entropy_scale != 0.0
     scaled_lse = tl.where(has_softmax, row_lse, float("inf")) * LOG2_E
     # exp(z - lse) as exp2(z * log2(e) - lse * log2(e)): one fused multiply-add per entry.
     probs = tl.exp2(logits * LOG2_E - scaled_lse[:, None])
-    if holds_padding(vocab_block, vocab_size, BLOCK_VOCAB):
+    if holds_padding(vocab_block, operands.vocab_size, BLOCK_VOCAB):
         probs = tl.where(vocab_mask[None, :], probs, 0.0)
     # Targets are found by position, not by vocabulary index: positions are a range, which
     # the compiler rebuilds from the thread index instead of holding it in registers.
     first_position = vocab_block * BLOCK_VOCAB
     is_target = (first_position + tl.arange(0, BLOCK_VOCAB))[None, :] == target_positions[:, None]
     keep = True
-    if FILTER:
+    if operands.filter_eps is not None:
         # Some entry of S - onehot is at least filter_eps: a softmax entry, or a target (kept
         # even within filter_eps of 1: one test per row instead of one per entry), or any entry
         # of a row whose LSE is not finite (NaN and inf inputs propagate as in PyTorch).
         row_keeps = (((target_positions >= first_position)
                       & (target_positions < first_position + BLOCK_VOCAB))
                      | (lse - lse != 0.0))
-        keep = (tl.max(probs) >= filter_eps) | (tl.max(row_keeps.to(tl.int32)) > 0)
+        keep = (tl.max(probs) >= operands.filter_eps) | (tl.max(row_keeps.to(tl.int32)) > 0)
     if ENTROPY:
         softmax_factor = (prob_scale[:, None]
                           + entropy_scale[:, None] * (logits - mean_logit[:, None]))
@@ -227,12 +229,13 @@ def logit_gradient_tile(
     if HAS_SOFTCAP:
         capped = logits / softcap  # tanh of the pre-cap logit
         grad = grad * (1.0 - capped * capped)
-        if UNIFORM:
-            uniform = tl.load(uniform_scale_ptr + rows, mask=row_mask, other=0.0)
-            curvature_mean = tl.load(curvature_mean_ptr + rows, mask=row_mask, other=0.0)
+        if operands.uniform.scale is not None:
+            uniform = tl.load(operands.uniform.scale + rows, mask=row_mask, other=0.0)
+            curvature_mean = tl.load(operands.uniform.curvature_mean + rows, mask=row_mask,
+                                     other=0.0)
             curvature = uniform[:, None] * (capped * capped - curvature_mean[:, None])
-            if HAS_CLASS_WEIGHT:
-                curvature *= tl.load(class_weight_ptr + vocab, mask=vocab_mask,
+            if operands.uniform.weight is not None:
+                curvature *= tl.load(operands.uniform.weight + vocab, mask=vocab_mask,
                                      other=0.0)[None, :]
             grad -= curvature
     return grad, keep, tl.sum(tl.where(is_target, 0.0, probs), axis=1)

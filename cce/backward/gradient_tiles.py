@@ -28,7 +28,7 @@ import triton.language as tl
 from cce.config import KernelConfigs, dot_precision
 from cce.logit_tile import logit_gradient_tile, round_to, vocab_block_entries
 from cce.backward.tile_lists import TileLists
-from cce.backward.scratch import Scratch, segment_offsets
+from cce.backward.scratch import Scratch, ScratchView, segment_offsets
 from cce.weighting import EntropyTerm, RankOneTerm
 
 KEPT_MASS_ONE = tl.constexpr(2**62)  # a softmax mass m is added up as int64 m * 2^62
@@ -41,89 +41,122 @@ def store_tile(scratch_ptr, offsets, grad, row_mask, DOT_PRECISION: tl.constexpr
              mask=row_mask[:, None])
 
 
+class TileOperands(NamedTuple):
+    """What recomputing a tile reads, as the recompute kernel takes it (one argument): the
+    tensors, None where absent (the kernel tests for None as it compiles), the sizes, strides
+    and scalars (:func:`tile_operands`)."""
+
+    e: torch.Tensor
+    c: torch.Tensor
+    bias: Optional[torch.Tensor]
+    vocab_order: Optional[torch.Tensor]
+    target_positions: torch.Tensor
+    lse: torch.Tensor
+    prob_scale: torch.Tensor
+    target_entry: torch.Tensor
+    uniform: RankOneTerm  # the share of label smoothing's term the tiles hold, or Nones
+    entropy: EntropyTerm  # or Nones
+    softcap: Optional[float]
+    filter_eps: Optional[float]
+    num_tokens: int
+    vocab_size: int
+    dim: int
+    e_strides: "tuple[int, int]"
+    c_strides: "tuple[int, int]"
+
+
+class TileChoice(NamedTuple):
+    """Which tiles a launch recomputes and where they go. Pass 1: ``chunk_token_blocks x
+    chunk_vocab_blocks`` grid tiles from (``first_token_block``, ``first_vocab_block``), live
+    ones only with ``live_tiles``, each in its slot with ``slot_map`` (counted from
+    ``first_slots[0]``), else whole rows; ``flags`` set. Pass 2: the tiles of ``lists`` (per
+    vocabulary block of the chunk, ``counts`` token blocks from slot ``first_slots[block]``).
+    ``kept_mass``: see :func:`gradient_tiles`."""
+
+    num_vocab_blocks: int
+    first_token_block: int
+    first_vocab_block: int
+    chunk_token_blocks: int
+    chunk_vocab_blocks: int
+    live_tiles: Optional[torch.Tensor]
+    slot_map: Optional[torch.Tensor]
+    first_slots: Optional[torch.Tensor]
+    lists: Optional[torch.Tensor]
+    counts: Optional[torch.Tensor]
+    list_stride: int
+    longest_list: int
+    scratch: ScratchView
+    flags: Optional[torch.Tensor]
+    kept_mass: Optional[torch.Tensor]
+
+
 @triton.jit
-def gradient_tiles_kernel(
-    e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr, target_entry_ptr,
-    uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr, entropy_scale_ptr, mean_logit_ptr,
-    vocab_order_ptr, live_tiles_ptr,
-    flags_ptr, kept_mass_ptr, scratch_ptr, pages_ptr,
-    tile_lists_ptr, tile_counts_ptr, first_slots_ptr, slot_map_ptr,
-    num_tokens, vocab_size, dim, num_vocab_blocks,
-    first_token_block, first_vocab_block, chunk_token_blocks, chunk_vocab_blocks,
-    longest_list, list_stride, page_stride,
-    stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap, filter_eps,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
-    UNIFORM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr, ENTROPY: tl.constexpr,
-    SORTED: tl.constexpr, SKIP_DEAD_TILES: tl.constexpr, LISTED: tl.constexpr,
-    SLOT_MAP: tl.constexpr,
-    SUM_KEPT_MASS: tl.constexpr, SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
-    BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+def gradient_tiles_kernel(operands, tiles, SEGMENTS_PER_PAGE: tl.constexpr,
+                          BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
+                          BLOCK_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Which paths compile follows from which tensors are given.
+    LISTED: tl.constexpr = tiles.lists is not None
+    SORTED: tl.constexpr = operands.vocab_order is not None
     # Token blocks vary fastest: the programs in flight share their tiles of c.
     if LISTED:
         # The k-th listed token block of a vocabulary block of the chunk goes to slot
         # first_slots[block] - first_slots[0] + k (the chunk's lists are a slice of all blocks');
         # programs past the end of a block's list have nothing to do.
-        entry = tl.program_id(0) % longest_list
-        chunk_vocab_block = tl.program_id(0) // longest_list
-        live = entry < tl.load(tile_counts_ptr + chunk_vocab_block)
-        token_block = tl.load(tile_lists_ptr + chunk_vocab_block * list_stride + entry,
+        entry = tl.program_id(0) % tiles.longest_list
+        chunk_vocab_block = tl.program_id(0) // tiles.longest_list
+        live = entry < tl.load(tiles.counts + chunk_vocab_block)
+        token_block = tl.load(tiles.lists + chunk_vocab_block * tiles.list_stride + entry,
                               mask=live, other=0)
-        slot = (tl.load(first_slots_ptr + chunk_vocab_block) - tl.load(first_slots_ptr)
+        slot = (tl.load(tiles.first_slots + chunk_vocab_block) - tl.load(tiles.first_slots)
                 + entry)
         segments = slot.to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     else:
-        chunk_token_block = tl.program_id(0) % chunk_token_blocks
-        chunk_vocab_block = tl.program_id(0) // chunk_token_blocks
-        token_block = first_token_block + chunk_token_block
+        chunk_token_block = tl.program_id(0) % tiles.chunk_token_blocks
+        chunk_vocab_block = tl.program_id(0) // tiles.chunk_token_blocks
+        token_block = tiles.first_token_block + chunk_token_block
+        grid_tile = (token_block * tiles.num_vocab_blocks + tiles.first_vocab_block
+                     + chunk_vocab_block)
         live = True
-        if SKIP_DEAD_TILES:
-            live = tl.load(live_tiles_ptr + token_block * num_vocab_blocks
-                           + first_vocab_block + chunk_vocab_block) != 0
-        if SLOT_MAP:
+        if tiles.live_tiles is not None:
+            live = tl.load(tiles.live_tiles + grid_tile) != 0
+        if tiles.slot_map is not None:
             # Only live tiles are stored, each in its slot (numbered from the chunk's first).
-            slot = (tl.load(slot_map_ptr + token_block * num_vocab_blocks + first_vocab_block
-                            + chunk_vocab_block) - tl.load(first_slots_ptr))
+            slot = tl.load(tiles.slot_map + grid_tile) - tl.load(tiles.first_slots)
             segments = slot.to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
         else:
             chunk_rows = chunk_token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-            segments = chunk_rows.to(tl.int64) * chunk_vocab_blocks + chunk_vocab_block
-        flag_ptr = (flags_ptr + token_block * num_vocab_blocks + first_vocab_block
-                    + chunk_vocab_block)
-    vocab_block = first_vocab_block + chunk_vocab_block
+            segments = chunk_rows.to(tl.int64) * tiles.chunk_vocab_blocks + chunk_vocab_block
+        flag_ptr = tiles.flags + grid_tile
+    vocab_block = tiles.first_vocab_block + chunk_vocab_block
 
     if live:
         rows = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-        row_mask = rows < num_tokens
+        row_mask = rows < operands.num_tokens
         # Where the tile goes, looked up before the tile is computed: afterwards the lookup
         # competes with the tile for registers.
         entries = tl.arange(0, BLOCK_VOCAB)
-        offsets = segment_offsets(pages_ptr, segments, entries, row_mask, page_stride,
-                                  SEGMENTS_PER_PAGE, BLOCK_VOCAB, SCRATCH_IN_ORDER)
+        offsets = segment_offsets(tiles.scratch, segments, entries, row_mask, SEGMENTS_PER_PAGE,
+                                  BLOCK_VOCAB)
         vocab, vocab_mask = vocab_block_entries(
-            vocab_order_ptr, vocab_block, entries, vocab_size, BLOCK_VOCAB, SORTED)
+            operands.vocab_order, vocab_block, entries, operands.vocab_size, BLOCK_VOCAB, SORTED)
         grad, keep, row_mass = logit_gradient_tile(
-            e_ptr, c_ptr, bias_ptr, target_positions_ptr, lse_ptr, prob_scale_ptr,
-            target_entry_ptr, uniform_scale_ptr, curvature_mean_ptr, class_weight_ptr,
-            entropy_scale_ptr, mean_logit_ptr, rows, row_mask, vocab_block, vocab, vocab_mask,
-            vocab_size, dim, stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
-            filter_eps, HAS_BIAS, HAS_SOFTCAP, FILTER, UNIFORM, HAS_CLASS_WEIGHT, ENTROPY,
+            operands, rows, row_mask, vocab_block, vocab, vocab_mask,
             BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
         )
         if LISTED:
             # Every listed tile is read by the product: one the filter drops reads as zeros.
-            store_tile(scratch_ptr, offsets, tl.where(keep, grad, 0.0), row_mask, DOT_PRECISION)
+            store_tile(tiles.scratch.buffer, offsets, tl.where(keep, grad, 0.0), row_mask,
+                       DOT_PRECISION)
         elif keep:
-            store_tile(scratch_ptr, offsets, grad, row_mask, DOT_PRECISION)
+            store_tile(tiles.scratch.buffer, offsets, grad, row_mask, DOT_PRECISION)
             tl.store(flag_ptr, 1)
         else:
             tl.store(flag_ptr, 0)
-        if SUM_KEPT_MASS:
+        if tiles.kept_mass is not None:
             if keep:
                 # A NaN row's dE is NaN through its tiles; its mass must not reach the cast.
                 row_mass = tl.where(row_mass == row_mass, row_mass, 0.0)
-                tl.atomic_add(kept_mass_ptr + rows, (row_mass * KEPT_MASS_ONE).to(tl.int64),
+                tl.atomic_add(tiles.kept_mass + rows, (row_mass * KEPT_MASS_ONE).to(tl.int64),
                               mask=row_mask, sem="relaxed")
     elif not LISTED:
         tl.store(flag_ptr, 0)
@@ -188,12 +221,9 @@ def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
             kept_mass: Optional[torch.Tensor] = None,
             slot_map: Optional[torch.Tensor] = None,
             first_slot: Optional[torch.Tensor] = None) -> None:
-    (e, c, target_positions, bias, softcap, lse, prob_scale, target_entry, vocab_order,
-     filter_eps, rank_one, entropy) = inputs
-    num_tokens, dim = e.shape
     listed = tile_lists is not None
     grid = configs.live_grid
-    if listed and softcap is not None:
+    if listed and inputs.softcap is not None:
         config = configs.softcap_listed_gradient_tiles
     else:
         config = configs.gradient_tiles
@@ -201,31 +231,28 @@ def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
     programs = len(vocab_blocks) * (longest_list if listed else len(token_blocks))
     if programs == 0:
         return
-    # Without a softcap the tiles hold nothing of the rank-one term (None: unused pointers).
-    uniform = (rank_one if rank_one is not None and softcap is not None
-               else RankOneTerm(None, None))
-    gradient_tiles_kernel[(programs,)](
-        e, c, bias, target_positions, lse, prob_scale, target_entry, uniform.scale,
-        uniform.curvature_mean, uniform.weight,
-        entropy.scale if entropy is not None else None,
-        entropy.mean_logit if entropy is not None else None,
-        vocab_order, live_tiles, flags, kept_mass,
-        scratch.buffer, scratch.pages,
+    tiles = TileChoice(
+        triton.cdiv(inputs.c.shape[0], grid.block_vocab), token_blocks.start, vocab_blocks.start,
+        len(token_blocks), len(vocab_blocks), live_tiles, slot_map,
+        tile_lists.first_slots if listed else first_slot,
         tile_lists.lists if listed else None, tile_lists.counts if listed else None,
-        tile_lists.first_slots if listed else first_slot, slot_map,
-        num_tokens, c.shape[0], dim, triton.cdiv(c.shape[0], grid.block_vocab),
-        token_blocks.start, vocab_blocks.start, len(token_blocks), len(vocab_blocks),
-        longest_list, tile_lists.lists.stride(0) if listed else 0,
-        scratch.page_stride,
-        e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0, filter_eps or 0.0,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        FILTER=filter_eps is not None, UNIFORM=uniform.scale is not None,
-        HAS_CLASS_WEIGHT=uniform.weight is not None, ENTROPY=entropy is not None,
-        SORTED=vocab_order is not None,
-        SKIP_DEAD_TILES=live_tiles is not None, LISTED=listed, SLOT_MAP=slot_map is not None,
-        SUM_KEPT_MASS=kept_mass is not None,
-        SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,
+        tile_lists.lists.stride(0) if listed else 0, longest_list,
+        scratch.view, flags, kept_mass)
+    gradient_tiles_kernel[(programs,)](
+        tile_operands(inputs), tiles, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
-        BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
+        BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(inputs.e.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def tile_operands(inputs: RecomputeInputs) -> TileOperands:
+    """The recompute kernel's view of ``inputs``."""
+    e, c, softcap, rank_one = inputs.e, inputs.c, inputs.softcap, inputs.rank_one
+    # Without a softcap the tiles hold nothing of the rank-one term.
+    uniform = (rank_one if rank_one is not None and softcap is not None
+               else RankOneTerm(None, None))
+    return TileOperands(e, c, inputs.bias, inputs.vocab_order, inputs.target_positions,
+                        inputs.lse, inputs.prob_scale, inputs.target_entry, uniform,
+                        inputs.entropy or EntropyTerm(None, None), softcap, inputs.filter_eps,
+                        e.shape[0], c.shape[0], e.shape[1], e.stride(), c.stride())

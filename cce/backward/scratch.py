@@ -18,27 +18,36 @@ segments ``k * BLOCK_TOKENS + row in the tile``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 
+class ScratchView(NamedTuple):
+    """A scratch as the kernels take it: the buffer, the page indices (None: the segments lie
+    in order) and the page length."""
+
+    buffer: torch.Tensor
+    pages: Optional[torch.Tensor]
+    page_stride: int
+
+
 @triton.jit
-def segment_offsets(pages_ptr, segments, columns, mask, page_stride,
-                    SEGMENTS_PER_PAGE: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
-                    IN_ORDER: tl.constexpr):
-    """Element offsets of the (segments x columns) piece of the scratch that holds the given
-    segments (int64); ``columns`` are offsets in a segment (all of it: ``tl.arange(0,
-    BLOCK_VOCAB)``). ``IN_ORDER``: the scratch's segments lie in order (:attr:`Scratch.in_order`),
-    so the offsets need neither the page table nor a division. ``SEGMENTS_PER_PAGE`` is a
-    compile-time constant: dividing by it is a multiply, not a 64-bit division."""
-    if IN_ORDER:
+def segment_offsets(scratch, segments, columns, mask, SEGMENTS_PER_PAGE: tl.constexpr,
+                    BLOCK_VOCAB: tl.constexpr):
+    """Element offsets in ``scratch`` (a :class:`ScratchView`) of the (segments x columns) piece
+    that holds the given segments (int64); ``columns`` are offsets in a segment (all of it:
+    ``tl.arange(0, BLOCK_VOCAB)``). Segments in order need neither the page table nor a
+    division. ``SEGMENTS_PER_PAGE`` is a compile-time constant: dividing by it is a multiply,
+    not a 64-bit division."""
+    if scratch.pages is None:
         start = segments * BLOCK_VOCAB
     else:
-        page = tl.load(pages_ptr + segments // SEGMENTS_PER_PAGE, mask=mask, other=0)
-        start = page.to(tl.int64) * page_stride + (segments % SEGMENTS_PER_PAGE) * BLOCK_VOCAB
+        page = tl.load(scratch.pages + segments // SEGMENTS_PER_PAGE, mask=mask, other=0)
+        start = (page.to(tl.int64) * scratch.page_stride
+                 + (segments % SEGMENTS_PER_PAGE) * BLOCK_VOCAB)
     return start[:, None] + columns[None, :]
 
 
@@ -58,6 +67,10 @@ class Scratch:
     @property
     def in_order(self) -> bool:
         return self.pages is None
+
+    @property
+    def view(self) -> ScratchView:
+        return ScratchView(self.buffer, self.pages, self.page_stride)
 
     @property
     def segments(self) -> int:

@@ -44,7 +44,7 @@ from cce.backward.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.backward.tile_lists import TileLists, build_tile_lists
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
 from cce.backward.partial_sums import sum_partials
-from cce.backward.scratch import Scratch, segment_offsets
+from cce.backward.scratch import Scratch, ScratchView, segment_offsets
 from cce.backward.weighted_sum import weighted_sum
 from cce.weighting import RankOneTerm
 
@@ -100,54 +100,85 @@ class RankOneUpdate(NamedTuple):
         return cls(term.weight, weighted_sum(e, scale), scale.sum())
 
 
+class ProductTiles(NamedTuple):
+    """The tiles a product launch multiplies, as the kernel takes them: the scratch holding
+    them; per output block (``num_out_blocks`` of them from ``first_block``), the list of the
+    other blocks whose tiles it sums (``counts`` long, rows ``list_stride`` apart); where the
+    tiles are (``first_slots`` and ``slot_map``, or None: see the launchers)."""
+
+    scratch: ScratchView
+    lists: torch.Tensor
+    counts: torch.Tensor
+    list_stride: int
+    first_slots: Optional[torch.Tensor]
+    slot_map: Optional[torch.Tensor]
+    chunk_vocab_blocks: int
+    first_block: int
+    num_out_blocks: int
+
+
+class ProductIO(NamedTuple):
+    """The operand a product launch multiplies the tiles with (c or e, read through
+    ``vocab_order`` where sorted), what it writes (the output, float32 partial sums when
+    split, the bias gradient) and the sizes."""
+
+    operand: torch.Tensor
+    operand_strides: "tuple[int, int]"
+    vocab_order: Optional[torch.Tensor]
+    out: torch.Tensor
+    partial: Optional[torch.Tensor]
+    grad_bias: Optional[torch.Tensor]
+    num_tokens: int
+    vocab_size: int
+    dim: int
+
+
 @triton.jit
 def sparse_tile_matmul_kernel(
-    scratch_ptr, pages_ptr, tile_lists_ptr, tile_counts_ptr, first_slots_ptr, slot_map_ptr,
-    operand_ptr,
-    vocab_order_ptr, out_ptr, partial_ptr, grad_bias_ptr,
-    mean_row_ptr, prob_scale_ptr, kept_mass_ptr,
-    rank_one_rows_ptr, rank_one_columns_ptr, rank_one_bias_ptr,
-    num_tokens, vocab_size, dim, chunk_vocab_blocks, page_stride,
-    first_block, num_out_blocks, list_stride, stride_operand_row, stride_operand_dim,
-    TRANSPOSED: tl.constexpr, SORTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    FILTER_CORRECTION: tl.constexpr, RANK_ONE: tl.constexpr, RANK_ONE_ROWS: tl.constexpr,
-    SPLITS: tl.constexpr, SLOT_MAP: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
-    SCRATCH_IN_ORDER: tl.constexpr, SEGMENTS_PER_PAGE: tl.constexpr,
-    BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
+    tiles, io, correction, rank_one,
+    TRANSPOSED: tl.constexpr, SPLITS: tl.constexpr, CHUNK_SLOTS: tl.constexpr,
+    SEGMENTS_PER_PAGE: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     BLOCK_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, STEPS: tl.constexpr,
     WHOLE_BLOCKS: tl.constexpr,
 ):
+    # Which paths compile follows from which tensors are given.
+    SORTED: tl.constexpr = io.vocab_order is not None
+    HAS_BIAS: tl.constexpr = io.grad_bias is not None
+    SLOT_MAP: tl.constexpr = tiles.slot_map is not None
+    FILTER_CORRECTION: tl.constexpr = correction.kept_mass is not None
+    RANK_ONE: tl.constexpr = rank_one.column_vector is not None
+    RANK_ONE_ROWS: tl.constexpr = rank_one.row_factor is not None
     # Output blocks vary fastest: the programs in flight walk the same operand rows together.
-    num_out_chunks = tl.cdiv(dim, BLOCK_OUT)
-    out_block = tl.program_id(0) % num_out_blocks
-    out_chunk = (tl.program_id(0) // num_out_blocks) % num_out_chunks
-    split = tl.program_id(0) // (num_out_blocks * num_out_chunks)
+    num_out_chunks = tl.cdiv(io.dim, BLOCK_OUT)
+    out_block = tl.program_id(0) % tiles.num_out_blocks
+    out_chunk = (tl.program_id(0) // tiles.num_out_blocks) % num_out_chunks
+    split = tl.program_id(0) // (tiles.num_out_blocks * num_out_chunks)
     out_dims = out_chunk * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     # Masks that whole blocks make all true are folded away at compile time.
-    out_mask = (out_dims < dim) | WHOLE_BLOCKS
-    count = tl.load(tile_counts_ptr + out_block)
+    out_mask = (out_dims < io.dim) | WHOLE_BLOCKS
+    count = tl.load(tiles.counts + out_block)
     list_start = split * count // SPLITS
     list_end = (split + 1) * count // SPLITS
     BLOCK_ROWS: tl.constexpr = BLOCK_VOCAB if TRANSPOSED else BLOCK_TOKENS
 
     if SLOT_MAP and CHUNK_SLOTS and not TRANSPOSED:
         # The slot map numbers the slots of every chunk; this chunk's start at its scratch's 0.
-        slot_base = tl.load(first_slots_ptr)
+        slot_base = tl.load(tiles.first_slots)
     else:
         slot_base = 0
     if TRANSPOSED:
-        vocab, row_mask = vocab_block_entries(vocab_order_ptr, first_block + out_block,
-                                              tl.arange(0, BLOCK_VOCAB), vocab_size, BLOCK_VOCAB,
-                                              SORTED, WHOLE_BLOCKS)
+        vocab, row_mask = vocab_block_entries(
+            io.vocab_order, tiles.first_block + out_block, tl.arange(0, BLOCK_VOCAB),
+            io.vocab_size, BLOCK_VOCAB, SORTED, WHOLE_BLOCKS)
         out_rows = vocab
         # Its k-th listed tile is in slot first_slot + k; the chunk's lists are a slice.
-        first_slot = tl.load(first_slots_ptr + out_block)
+        first_slot = tl.load(tiles.first_slots + out_block)
         if CHUNK_SLOTS:
-            first_slot -= tl.load(first_slots_ptr)
+            first_slot -= tl.load(tiles.first_slots)
     else:
         chunk_rows = out_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-        out_rows = first_block * BLOCK_TOKENS + chunk_rows
-        row_mask = (out_rows < num_tokens) | WHOLE_BLOCKS
+        out_rows = tiles.first_block * BLOCK_TOKENS + chunk_rows
+        row_mask = (out_rows < io.num_tokens) | WHOLE_BLOCKS
 
     acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
     grad_bias = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
@@ -161,40 +192,39 @@ def sparse_tile_matmul_kernel(
         else:
             position = step // STEPS
             entries = (step % STEPS) * DEPTH + tl.arange(0, DEPTH)
-        other_block = tl.load(tile_lists_ptr + out_block * list_stride + position)
+        other_block = tl.load(tiles.lists + out_block * tiles.list_stride + position)
         if TRANSPOSED:
             token_rows = other_block * BLOCK_TOKENS + entries
-            token_mask = (token_rows < num_tokens) | WHOLE_BLOCKS
+            token_mask = (token_rows < io.num_tokens) | WHOLE_BLOCKS
             segments = (first_slot + position).to(tl.int64) * BLOCK_TOKENS + entries
-            offsets = segment_offsets(pages_ptr, segments, tl.arange(0, BLOCK_VOCAB), token_mask,
-                                      page_stride, SEGMENTS_PER_PAGE, BLOCK_VOCAB,
-                                      SCRATCH_IN_ORDER)
-            operand_a = tl.trans(tl.load(scratch_ptr + offsets, mask=token_mask[:, None],
-                                         other=0.0))
+            offsets = segment_offsets(tiles.scratch, segments, tl.arange(0, BLOCK_VOCAB),
+                                      token_mask, SEGMENTS_PER_PAGE, BLOCK_VOCAB)
+            operand_a = tl.trans(tl.load(tiles.scratch.buffer + offsets,
+                                         mask=token_mask[:, None], other=0.0))
             operand_b = tl.load(
-                operand_ptr + token_rows.to(tl.int64)[:, None] * stride_operand_row
-                + out_dims[None, :] * stride_operand_dim,
+                io.operand + token_rows.to(tl.int64)[:, None] * io.operand_strides[0]
+                + out_dims[None, :] * io.operand_strides[1],
                 mask=token_mask[:, None] & out_mask[None, :], other=0.0)
             if HAS_BIAS:
                 grad_bias += tl.sum(operand_a.to(tl.float32), axis=1)
         else:
             if SLOT_MAP:
                 # Tiles kept whole in slots (the dC product's layout): look the slot up.
-                slot = tl.load(slot_map_ptr + (first_block + out_block).to(tl.int64)
-                               * chunk_vocab_blocks + other_block) - slot_base
+                slot = tl.load(tiles.slot_map + (tiles.first_block + out_block).to(tl.int64)
+                               * tiles.chunk_vocab_blocks + other_block) - slot_base
                 segments = (slot.to(tl.int64) * BLOCK_TOKENS
                             + tl.arange(0, BLOCK_TOKENS))
             else:
-                segments = chunk_rows.to(tl.int64) * chunk_vocab_blocks + other_block
-            offsets = segment_offsets(pages_ptr, segments, entries, row_mask, page_stride,
-                                      SEGMENTS_PER_PAGE, BLOCK_VOCAB, SCRATCH_IN_ORDER)
-            operand_a = tl.load(scratch_ptr + offsets, mask=row_mask[:, None], other=0.0)
+                segments = chunk_rows.to(tl.int64) * tiles.chunk_vocab_blocks + other_block
+            offsets = segment_offsets(tiles.scratch, segments, entries, row_mask,
+                                      SEGMENTS_PER_PAGE, BLOCK_VOCAB)
+            operand_a = tl.load(tiles.scratch.buffer + offsets, mask=row_mask[:, None], other=0.0)
             vocab, vocab_mask = vocab_block_entries(
-                vocab_order_ptr, other_block, entries, vocab_size, BLOCK_VOCAB, SORTED,
+                io.vocab_order, other_block, entries, io.vocab_size, BLOCK_VOCAB, SORTED,
                 WHOLE_BLOCKS)
             operand_b = tl.load(
-                operand_ptr + vocab.to(tl.int64)[:, None] * stride_operand_row
-                + out_dims[None, :] * stride_operand_dim,
+                io.operand + vocab.to(tl.int64)[:, None] * io.operand_strides[0]
+                + out_dims[None, :] * io.operand_strides[1],
                 mask=vocab_mask[:, None] & out_mask[None, :], other=0.0)
         acc = tile_dot(operand_a, operand_b, acc, DOT_PRECISION)
 
@@ -202,36 +232,37 @@ def sparse_tile_matmul_kernel(
         if split == 0:
             # The filter dropped prob_scale * (1 - kept mass) of each row's gradient (the
             # targets' tiles are never dropped). 1 - kept mass in fixed point: exact.
-            kept_mass = tl.load(kept_mass_ptr + out_rows, mask=row_mask, other=0)
+            kept_mass = tl.load(correction.kept_mass + out_rows, mask=row_mask, other=0)
             dropped_mass = (kept_mass - KEPT_MASS_ONE).to(tl.float32) * -KEPT_MASS_UNIT
-            prob_scale = tl.load(prob_scale_ptr + out_rows, mask=row_mask, other=0.0)
+            prob_scale = tl.load(correction.prob_scale + out_rows, mask=row_mask, other=0.0)
             dropped = prob_scale * dropped_mass
-            mean_row = tl.load(mean_row_ptr + out_dims, mask=out_mask, other=0.0)
+            mean_row = tl.load(correction.mean_row + out_dims, mask=out_mask, other=0.0)
             acc += dropped[:, None] * mean_row[None, :]
 
     if RANK_ONE:
         if split == 0:
             if RANK_ONE_ROWS:
-                factor = tl.load(rank_one_rows_ptr + out_rows, mask=row_mask, other=0.0)
+                factor = tl.load(rank_one.row_factor + out_rows, mask=row_mask, other=0.0)
             else:
                 factor = row_mask.to(tl.float32)
-            columns = tl.load(rank_one_columns_ptr + out_dims, mask=out_mask, other=0.0)
+            columns = tl.load(rank_one.column_vector + out_dims, mask=out_mask, other=0.0)
             acc += factor[:, None] * columns[None, :]
             if HAS_BIAS:
-                grad_bias += factor * tl.load(rank_one_bias_ptr)
+                grad_bias += factor * tl.load(rank_one.bias_factor)
 
     if SPLITS == 1:
-        tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * dim + out_dims[None, :],
-                 round_to(acc, out_ptr.dtype.element_ty, DOT_PRECISION),
+        tl.store(io.out + out_rows.to(tl.int64)[:, None] * io.dim + out_dims[None, :],
+                 round_to(acc, io.out.dtype.element_ty, DOT_PRECISION),
                  mask=row_mask[:, None] & out_mask[None, :])
     else:
-        partial_rows = (split * num_out_blocks + out_block) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        tl.store(partial_ptr + partial_rows.to(tl.int64)[:, None] * dim + out_dims[None, :], acc,
-                 mask=out_mask[None, :])
+        partial_rows = ((split * tiles.num_out_blocks + out_block) * BLOCK_ROWS
+                        + tl.arange(0, BLOCK_ROWS))
+        tl.store(io.partial + partial_rows.to(tl.int64)[:, None] * io.dim + out_dims[None, :],
+                 acc, mask=out_mask[None, :])
     if HAS_BIAS:
         if out_chunk == 0:
-            tl.store(grad_bias_ptr + out_rows,
-                     round_to(grad_bias, grad_bias_ptr.dtype.element_ty, DOT_PRECISION),
+            tl.store(io.grad_bias + out_rows,
+                     round_to(grad_bias, io.grad_bias.dtype.element_ty, DOT_PRECISION),
                      mask=row_mask)
 
 
@@ -320,21 +351,15 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             partial = room[:splits * rows * dim].view(splits, rows, dim)
         else:
             partial = torch.empty((splits, rows, dim), dtype=torch.float32, device=out.device)
-    correction = filter_correction or FilterCorrection(None, None, None)  # None: unused pointers
-    update = rank_one or RankOneUpdate(None, None, None)
+    tiles = ProductTiles(scratch.view, lists, counts, lists.stride(0), first_slots, slot_map,
+                         chunk_vocab_blocks, first_block, num_out_blocks)
+    io = ProductIO(operand, operand.stride(), vocab_order, out, partial, grad_bias, num_tokens,
+                   vocab_size, dim)
     sparse_tile_matmul_kernel[(programs * splits,)](
-        scratch.buffer, scratch.pages, lists, counts, first_slots, slot_map, operand,
-        vocab_order, out,
-        partial, grad_bias, correction.mean_row, correction.prob_scale,
-        correction.kept_mass, update.row_factor, update.column_vector, update.bias_factor,
-        num_tokens, vocab_size, dim, chunk_vocab_blocks,
-        scratch.page_stride, first_block, num_out_blocks,
-        lists.stride(0), operand.stride(0), operand.stride(1),
-        TRANSPOSED=transposed, SORTED=vocab_order is not None, HAS_BIAS=grad_bias is not None,
-        FILTER_CORRECTION=filter_correction is not None, RANK_ONE=rank_one is not None,
-        RANK_ONE_ROWS=update.row_factor is not None, SPLITS=splits,
-        SLOT_MAP=slot_map is not None, CHUNK_SLOTS=chunk_slots,
-        SCRATCH_IN_ORDER=scratch.in_order, SEGMENTS_PER_PAGE=scratch.segments_per_page,
+        tiles, io, filter_correction or FilterCorrection(None, None, None),
+        rank_one or RankOneUpdate(None, None, None),
+        TRANSPOSED=transposed, SPLITS=splits, CHUNK_SLOTS=chunk_slots,
+        SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_OUT=block_out, DOT_PRECISION=dot_precision(operand.dtype),
         STEPS=grid.block_vocab // config.step_depth if settings.whole_blocks else 1,
