@@ -383,6 +383,30 @@ def test_sum_partials_rejects_an_output_it_cannot_write_in_place(device: str) ->
         sum_partials(partial, torch.zeros(8, 5, device=device))
 
 
+def _classifier_gradients(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                          gen: torch.Generator, loosen_bounds: float = 0.0):
+    """One filtering, sorting forward of the ops; then a function of ``needs_grad_e`` and the
+    backward's forced choices giving (dC of a random upstream gradient, the backward's plan,
+    its dC plan), each from the same forward. ``loosen_bounds`` is added to the tile bounds."""
+    (_, lse, _, _, complement, positions, order, tile_bound, curvature_sum, row_sum,
+     entropy_terms) = loss_forward(e, c, None, targets, None, None, 2.0**-12, True, True, 0.0,
+                                   False, False, False, False, True, True)
+    grad_loss = torch.rand(e.shape[0], generator=gen).to(e.device)
+
+    def grad_c(needs_grad_e: bool = True, **choices: object
+               ) -> "tuple[torch.Tensor, BackwardPlan, ClassifierPlan]":
+        with forced(**choices) as plans:
+            _, gradient, _ = loss_backward(e, c, None, targets, None, lse, complement, positions,
+                                           order, tile_bound + loosen_bounds, curvature_sum,
+                                           row_sum, entropy_terms, grad_loss, None, None, None,
+                                           2.0**-12, True, 0.0, False,
+                                           needs_grad_e=needs_grad_e, needs_grad_c=True)
+        ((plan, classifier),) = _backwards(plans)
+        return gradient, plan, classifier
+
+    return grad_c
+
+
 def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator) -> None:
     """Without dE there are no exact flags from pass 1: pass 2 lists every tile the forward's
     bounds leave live, more than pass 1 would store, and stores those the filter drops as zeros.
@@ -393,26 +417,11 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator)
     num_tokens = 261
     vocab, dim = _shape(torch.bfloat16, 9)
     e, c, targets = peaked_inputs(gen, device, num_tokens, vocab, dim)
-    e, c = e.bfloat16(), c.bfloat16()
-    (_, lse, _, _, complement, positions, order, tile_bound, curvature_sum, row_sum,
-     entropy_terms) = loss_forward(e, c, None, targets, None, None, 2.0**-12, True, True, 0.0,
-                                   False, False, False, False, True, True)
-    grad_loss = torch.rand(num_tokens, generator=gen).to(device)
-
-    def grad_c(with_grad_e: bool) -> "tuple[torch.Tensor, int]":
-        with forced() as plans:
-            _, gradient, _ = loss_backward(e, c, None, targets, None, lse, complement, positions,
-                                           order, tile_bound + 4.0, curvature_sum, row_sum,
-                                           entropy_terms, grad_loss, None, None, None, 2.0**-12,
-                                           True, 0.0, False,
-                                           needs_grad_e=with_grad_e,
-                                           needs_grad_c=True)
-        ((_, classifier),) = _backwards(plans)
-        return gradient, int(classifier.tile_lists.counts.sum())
-
-    beside, stored_beside = grad_c(with_grad_e=True)
-    alone, listed_alone = grad_c(with_grad_e=False)
-    assert listed_alone > stored_beside > 0
+    grad_c = _classifier_gradients(e.bfloat16(), c.bfloat16(), targets, gen, loosen_bounds=4.0)
+    beside, _, pass_two_beside = grad_c(needs_grad_e=True)
+    alone, _, pass_two_alone = grad_c(needs_grad_e=False)
+    stored_beside = int(pass_two_beside.tile_lists.counts.sum())
+    assert int(pass_two_alone.tile_lists.counts.sum()) > stored_beside > 0
     assert torch.equal(alone, beside)
 
 
@@ -430,26 +439,11 @@ def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
     vocab, _ = _shape(torch.bfloat16, 9)
     tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7
     e, c, targets = peaked_inputs(gen, device, tokens, vocab, dim)
-    e, c = e.bfloat16(), c.bfloat16()
-    (_, lse, _, _, complement, positions, order, tile_bound, curvature_sum, row_sum,
-     entropy_terms) = loss_forward(e, c, None, targets, None, None, 2.0**-12, True, True, 0.0,
-                                   False, False, False, False, True, True)
-    grad_loss = torch.rand(tokens, generator=gen).to(device)
-
-    def grad_c(triton_product: bool) -> "tuple[torch.Tensor, BackwardPlan, ClassifierPlan]":
-        with forced(one_pass=passes == "one",
-                    triton_classifier_product=triton_product) as plans:
-            _, gradient, _ = loss_backward(e, c, None, targets, None, lse, complement, positions,
-                                           order, tile_bound, curvature_sum, row_sum,
-                                           entropy_terms, grad_loss, None, None, None, 2.0**-12,
-                                           True, 0.0, False, needs_grad_e=True,
-                                           needs_grad_c=True)
-        ((plan, classifier),) = _backwards(plans)
-        return gradient, plan, classifier
-
-    with_tma, plan, classifier = grad_c(triton_product=False)
-    assert classifier.product.by_tma and (plan.one_pass is not None) == (passes == "one")
-    by_triton, _, classifier = grad_c(triton_product=True)
+    grad_c = _classifier_gradients(e.bfloat16(), c.bfloat16(), targets, gen)
+    one_pass = passes == "one"
+    with_tma, plan, classifier = grad_c(one_pass=one_pass, triton_classifier_product=False)
+    assert classifier.product.by_tma and (plan.one_pass is not None) == one_pass
+    by_triton, _, classifier = grad_c(one_pass=one_pass, triton_classifier_product=True)
     assert not classifier.product.by_tma and torch.equal(with_tma, by_triton)
 
 
