@@ -54,6 +54,15 @@ class KernelConfigs:
             raise ValueError("the forward's tiles must be one or two live-grid tiles")
 
 
+def _small_backward(depth: int, columns: int) -> dict:
+    """The backward's settings without the Hopper dC product: ``depth``-deep recompute slices,
+    ``columns`` output columns per product program."""
+    return {"gradient_tiles": KernelConfig(block_dim=depth),
+            "softcap_listed_gradient_tiles": KernelConfig(block_dim=depth),
+            "sparse_tile_matmul": KernelConfig(block_out=columns),
+            "classifier_product": KernelConfig()}
+
+
 # The interpreter runs each program's operations one by one in numpy: 64-deep slices and 128
 # output columns per product program take a third less of the test suite's kernel time than
 # 32 and 64 (the GPU's float32 settings).
@@ -61,11 +70,8 @@ _INTERPRETER = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=64),
     lse_forward=KernelConfig(block_tokens=32, block_vocab=256, block_dim=64),
     live_grid=KernelConfig(block_tokens=32, block_vocab=128),
-    gradient_tiles=KernelConfig(block_dim=64),
-    softcap_listed_gradient_tiles=KernelConfig(block_dim=64),
-    sparse_tile_matmul=KernelConfig(block_out=128),
     whole_block_embeddings_product=KernelConfig(step_depth=64),
-    classifier_product=KernelConfig(),
+    **_small_backward(depth=64, columns=128),
 )
 _GPU_16BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=128),
@@ -91,17 +97,13 @@ _GPU_16BIT = KernelConfigs(
     # products").
     classifier_product=KernelConfig(step_depth=64, num_warps=8, num_stages=4),
 )
-# float32 on a GPU: 32-deep recompute slices, 64 output columns per product program, no Hopper
-# dC product.
+# float32 on a GPU: smaller tiles (exact fp32 products hold more registers).
 _GPU_32BIT = KernelConfigs(
     indexed_dot=KernelConfig(block_tokens=32, block_vocab=1, block_dim=64),
     lse_forward=KernelConfig(block_tokens=64, block_vocab=64, block_dim=32),
     live_grid=KernelConfig(block_tokens=64, block_vocab=64),
-    gradient_tiles=KernelConfig(block_dim=32),
-    softcap_listed_gradient_tiles=KernelConfig(block_dim=32),
-    sparse_tile_matmul=KernelConfig(block_out=64),
     whole_block_embeddings_product=KernelConfig(),
-    classifier_product=KernelConfig(),
+    **_small_backward(depth=32, columns=64),
 )
 
 # Forward programs per streaming multiprocessor: enough to hide the tail of uneven waves,
