@@ -197,17 +197,21 @@ class VocabParallelFunction(torch.autograd.Function):
         from cce.cce_function import uses_filter_correction
         from cce.forward.indexed_dot import indexed_dot
         from cce.forward.lse_forward import lse_forward
+        from cce.forward.plan import forward_outputs
         from cce.forward.vocab_order import sort_vocabulary, target_positions
 
         group, softcap, filter_eps = (options.vocab_parallel.group, options.softcap,
                                       options.filter_eps)
         start = options.vocab_parallel.start
         holds_rows = c.shape[0] > 0  # a rank may hold none: it adds nothing to the sums
-        records_bounds = needs_grad and filter_eps is not None and holds_rows
+        # What the unsharded forward would decide; a rank without rows has nothing to bound.
+        plan = forward_outputs(filter_eps=filter_eps, vocab_sorting=options.vocab_sorting,
+                               softcap=softcap, label_smoothing=options.label_smoothing,
+                               needs_grad=needs_grad and holds_rows)
         # The order and the bounds are over the rows with a loss, wherever their target is:
         # sort_vocabulary and lse_forward only read which targets are ignored (-1).
         order = row_sum = None
-        if records_bounds and options.vocab_sorting:
+        if plan.sorts:
             order, row_sum = sort_vocabulary(e, c, bias, targets)
         positions = target_positions(local_targets, order)
         if holds_rows:
@@ -225,7 +229,7 @@ class VocabParallelFunction(torch.autograd.Function):
             local_max = torch.full_like(target_logit, float("-inf"))
         local_other_lse, tile_bound = (
             lse_forward(e, c, bias, softcap, targets, order,
-                        target_logit if records_bounds else None, left_out=positions,
+                        target_logit if plan.records_bounds else None, left_out=positions,
                         entropy=local_entropy, argmax=local_argmax, argmax_value=local_max)
             if holds_rows else (torch.full_like(target_logit, float("-inf")), None))
         other_lse = _global_lse(local_other_lse, group)

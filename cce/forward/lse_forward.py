@@ -347,9 +347,10 @@ def classifier_by_position(e: torch.Tensor, c: torch.Tensor, vocab_order: Option
 
     Without sorting ``c`` is in position order already. With sorting it takes a copy
     (``c.index_select``) when ``copy`` says so (the plan's choice, :mod:`cce.forward.plan`: where
-    the memory allows it and the forward is long enough to repay it): on an H200 the descriptors save 10-17% of the kernel's time and the copy costs
-    about one read and one write of ``c`` (Llama 3 8B shape: 16.2 -> 14.1 ms for a 0.58 ms copy
-    at N = 8192, 1.86 -> 1.58 ms at N = 1024; ``docs/notes/forward.md``)."""
+    the memory allows it and the forward is long enough to repay it): on an H200 the
+    descriptors save 10-17% of the kernel's time and the copy costs about one read and one
+    write of ``c`` (Llama 3 8B shape: 16.2 -> 14.1 ms for a 0.58 ms copy at N = 8192, 1.86 ->
+    1.58 ms at N = 1024; ``docs/notes/forward.md``)."""
     if not (_descriptor_ready(e) and _descriptor_ready(c)):
         return None
     if vocab_order is None:
