@@ -232,12 +232,15 @@ def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
     if programs == 0:
         return
     tiles = TileChoice(
-        triton.cdiv(inputs.c.shape[0], grid.block_vocab), token_blocks.start, vocab_blocks.start,
-        len(token_blocks), len(vocab_blocks), live_tiles, slot_map,
-        tile_lists.first_slots if listed else first_slot,
-        tile_lists.lists if listed else None, tile_lists.counts if listed else None,
-        tile_lists.lists.stride(0) if listed else 0, longest_list,
-        scratch.view, flags, kept_mass)
+        num_vocab_blocks=triton.cdiv(inputs.c.shape[0], grid.block_vocab),
+        first_token_block=token_blocks.start, first_vocab_block=vocab_blocks.start,
+        chunk_token_blocks=len(token_blocks), chunk_vocab_blocks=len(vocab_blocks),
+        live_tiles=live_tiles, slot_map=slot_map,
+        first_slots=tile_lists.first_slots if listed else first_slot,
+        lists=tile_lists.lists if listed else None,
+        counts=tile_lists.counts if listed else None,
+        list_stride=tile_lists.lists.stride(0) if listed else 0, longest_list=longest_list,
+        scratch=scratch.view, flags=flags, kept_mass=kept_mass)
     gradient_tiles_kernel[(programs,)](
         tile_operands(inputs), tiles, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
@@ -252,7 +255,10 @@ def tile_operands(inputs: RecomputeInputs) -> TileOperands:
     # Without a softcap the tiles hold nothing of the rank-one term.
     uniform = (rank_one if rank_one is not None and softcap is not None
                else RankOneTerm(None, None))
-    return TileOperands(e, c, inputs.bias, inputs.vocab_order, inputs.target_positions,
-                        inputs.lse, inputs.prob_scale, inputs.target_entry, uniform,
-                        inputs.entropy or EntropyTerm(None, None), softcap, inputs.filter_eps,
-                        e.shape[0], c.shape[0], e.shape[1], e.stride(), c.stride())
+    return TileOperands(
+        e=e, c=c, bias=inputs.bias, vocab_order=inputs.vocab_order,
+        target_positions=inputs.target_positions, lse=inputs.lse, prob_scale=inputs.prob_scale,
+        target_entry=inputs.target_entry, uniform=uniform,
+        entropy=inputs.entropy or EntropyTerm(None, None), softcap=softcap,
+        filter_eps=inputs.filter_eps, num_tokens=e.shape[0], vocab_size=c.shape[0],
+        dim=e.shape[1], e_strides=e.stride(), c_strides=c.stride())

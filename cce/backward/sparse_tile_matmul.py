@@ -351,10 +351,13 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
             partial = room[:splits * rows * dim].view(splits, rows, dim)
         else:
             partial = torch.empty((splits, rows, dim), dtype=torch.float32, device=out.device)
-    tiles = ProductTiles(scratch.view, lists, counts, lists.stride(0), first_slots, slot_map,
-                         chunk_vocab_blocks, first_block, num_out_blocks)
-    io = ProductIO(operand, operand.stride(), vocab_order, out, partial, grad_bias, num_tokens,
-                   vocab_size, dim)
+    tiles = ProductTiles(scratch=scratch.view, lists=lists, counts=counts,
+                         list_stride=lists.stride(0), first_slots=first_slots,
+                         slot_map=slot_map, chunk_vocab_blocks=chunk_vocab_blocks,
+                         first_block=first_block, num_out_blocks=num_out_blocks)
+    io = ProductIO(operand=operand, operand_strides=operand.stride(), vocab_order=vocab_order,
+                   out=out, partial=partial, grad_bias=grad_bias, num_tokens=num_tokens,
+                   vocab_size=vocab_size, dim=dim)
     sparse_tile_matmul_kernel[(programs * splits,)](
         tiles, io, filter_correction or FilterCorrection(None, None, None),
         rank_one or RankOneUpdate(None, None, None),
