@@ -3,13 +3,48 @@
 A tile is ``z = softcap(E[rows] @ C[vocab].T + bias[vocab])`` for BLOCK_TOKENS rows and
 BLOCK_VOCAB vocabulary entries, accumulated in float32 over D in BLOCK_DIM slices. ``vocab``
 holds vocabulary indices, not positions, so the backward can walk the vocabulary in sorted
-order without reordering ``c`` in memory.
+order without reordering ``c`` in memory. The kernels take what a tile reads as one argument,
+:class:`LogitOperands`.
 """
 
+from typing import NamedTuple, Optional
+
+import torch
 import triton
 import triton.language as tl
 
 LOG2_E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2_E)
+
+
+class LogitOperands(NamedTuple):
+    """What a logit tile reads, as the kernels take it (one argument): the tensors, the sizes,
+    the strides, and the optional parts, None where absent (a kernel tests for None as it
+    compiles: no bias, no sorting, no softcap; :func:`logit_operands`). The strides are
+    fields of their own: read in a loop, a nested tuple's element specialized to 1 reads None
+    in Triton 3.6."""
+
+    e: torch.Tensor
+    c: torch.Tensor
+    num_tokens: int
+    vocab_size: int
+    dim: int
+    stride_e_row: int
+    stride_e_dim: int
+    stride_c_row: int
+    stride_c_dim: int
+    bias: Optional[torch.Tensor]
+    vocab_order: Optional[torch.Tensor]
+    softcap: Optional[float]
+
+
+def logit_operands(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                   vocab_order: Optional[torch.Tensor],
+                   softcap: Optional[float]) -> LogitOperands:
+    """The tiles' view of ``z = softcap(e @ c[vocab_order].T + bias)``."""
+    return LogitOperands(e=e, c=c, num_tokens=e.shape[0], vocab_size=c.shape[0], dim=e.shape[1],
+                         stride_e_row=e.stride(0), stride_e_dim=e.stride(1),
+                         stride_c_row=c.stride(0), stride_c_dim=c.stride(1), bias=bias,
+                         vocab_order=vocab_order, softcap=softcap)
 
 
 # tanh's odd Taylor series, x + x^3 * (T3 + x^2 * (T5 + ...)): -1/3, 2/15, -17/315, ...
@@ -83,32 +118,27 @@ def holds_padding(vocab_block, vocab_size, BLOCK_VOCAB: tl.constexpr):
 
 
 @triton.jit
-def logit_tile(
-    e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
-    stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Logits of one (tokens x vocabulary) tile in float32; masked entries hold garbage-free 0s
-    before the bias/softcap, so callers must mask them themselves."""
-    logits = tile_product(e_ptr, c_ptr, rows, row_mask, vocab, vocab_mask, dim,
-                          stride_e_row, stride_e_dim, stride_c_row, stride_c_dim,
+def logit_tile(operands, rows, row_mask, vocab, vocab_mask, BLOCK_TOKENS: tl.constexpr,
+               BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Logits of one (tokens x vocabulary) tile in float32 (``operands``:
+    :class:`LogitOperands`); masked entries hold garbage-free 0s before the bias/softcap, so
+    callers must mask them themselves."""
+    logits = tile_product(operands, rows, row_mask, vocab, vocab_mask,
                           BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION)
-    return finish_logits(logits, bias_ptr, vocab, vocab_mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+    return finish_logits(logits, operands, vocab, vocab_mask)
 
 
 @triton.jit
-def tile_product(
-    e_ptr, c_ptr, rows, row_mask, vocab, vocab_mask, dim,
-    stride_e_row, stride_e_dim, stride_c_row, stride_c_dim,
-    BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+def tile_product(operands, rows, row_mask, vocab, vocab_mask, BLOCK_TOKENS: tl.constexpr,
+                 BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     """``E[rows] @ C[vocab].T`` in float32, rows of c gathered through ``vocab``."""
     offsets_dim = tl.arange(0, BLOCK_DIM)
-    e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_e_row
-    c_rows = c_ptr + vocab.to(tl.int64)[:, None] * stride_c_row
+    e_rows = operands.e + rows.to(tl.int64)[:, None] * operands.stride_e_row
+    c_rows = operands.c + vocab.to(tl.int64)[:, None] * operands.stride_c_row
+    stride_e_dim = operands.stride_e_dim
+    stride_c_dim = operands.stride_c_dim
+    dim = operands.dim
     logits = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), dtype=tl.float32)
     for dim_start in range(0, dim, BLOCK_DIM):
         dims = dim_start + offsets_dim
@@ -138,13 +168,13 @@ def tile_product_by_descriptor(e_desc, c_desc, first_row, first_c_row, dim,
 
 
 @triton.jit
-def finish_logits(logits, bias_ptr, vocab, vocab_mask, softcap,
-                  HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """A tile product's logits with the bias added and the softcap applied."""
-    if HAS_BIAS:
-        logits += tl.load(bias_ptr + vocab, mask=vocab_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        logits = softcap * tanh(logits / softcap)
+def finish_logits(logits, operands, vocab, vocab_mask):
+    """A tile product's logits with ``operands``' bias added and softcap applied."""
+    if operands.bias is not None:
+        logits += tl.load(operands.bias + vocab, mask=vocab_mask,
+                          other=0.0).to(tl.float32)[None, :]
+    if operands.softcap is not None:
+        logits = operands.softcap * tanh(logits / operands.softcap)
     return logits
 
 
@@ -176,21 +206,16 @@ def logit_gradient_tile(
     entry's softmax factor is ``prob_scale[i] + entropy.scale[i] * (z_ij -
     entropy.mean_logit[i])`` (the target's term is in ``target_entry``).
     """
-    HAS_BIAS: tl.constexpr = operands.bias is not None
-    HAS_SOFTCAP: tl.constexpr = operands.softcap is not None
+    HAS_SOFTCAP: tl.constexpr = operands.logits.softcap is not None
     ENTROPY: tl.constexpr = operands.entropy.scale is not None
-    softcap = operands.softcap
+    softcap = operands.logits.softcap
     # The rows' values are loaded before the tile's products, which hide their latency.
     lse = tl.load(operands.lse + rows, mask=row_mask, other=0.0)
     prob_scale = tl.load(operands.prob_scale + rows, mask=row_mask, other=0.0)
     target_entry = tl.load(operands.target_entry + rows, mask=row_mask, other=0.0)
     target_positions = tl.load(operands.target_positions + rows, mask=row_mask, other=-1)
-    logits = logit_tile(
-        operands.e, operands.c, operands.bias, rows, row_mask, vocab, vocab_mask, operands.dim,
-        operands.e_strides[0], operands.e_strides[1], operands.c_strides[0],
-        operands.c_strides[1], softcap,
-        HAS_BIAS, HAS_SOFTCAP, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
-    )
+    logits = logit_tile(operands.logits, rows, row_mask, vocab, vocab_mask,
+                        BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION)
 
     # Every operation per entry counts here (the tile's products are short at small D): rows
     # without a softmax gradient get an infinite LSE instead of a select per entry, so that
@@ -205,7 +230,7 @@ def logit_gradient_tile(
     scaled_lse = tl.where(has_softmax, row_lse, float("inf")) * LOG2_E
     # exp(z - lse) as exp2(z * log2(e) - lse * log2(e)): one fused multiply-add per entry.
     probs = tl.exp2(logits * LOG2_E - scaled_lse[:, None])
-    if holds_padding(vocab_block, operands.vocab_size, BLOCK_VOCAB):
+    if holds_padding(vocab_block, operands.logits.vocab_size, BLOCK_VOCAB):
         probs = tl.where(vocab_mask[None, :], probs, 0.0)
     # Targets are found by position, not by vocabulary index: positions are a range, which
     # the compiler rebuilds from the thread index instead of holding it in registers.

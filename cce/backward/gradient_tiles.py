@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from cce.config import KernelConfigs, dot_precision
-from cce.logit_tile import logit_gradient_tile, round_to, vocab_block_entries
+from cce.logit_tile import (LogitOperands, logit_gradient_tile, logit_operands, round_to,
+                            vocab_block_entries)
 from cce.backward.tile_lists import TileLists
 from cce.backward.scratch import Scratch, ScratchView, segment_offsets
 from cce.weighting import EntropyTerm, RankOneTerm
@@ -43,26 +44,17 @@ def store_tile(scratch_ptr, offsets, grad, row_mask, DOT_PRECISION: tl.constexpr
 
 class TileOperands(NamedTuple):
     """What recomputing a tile reads, as the recompute kernel takes it (one argument): the
-    tensors, None where absent (the kernel tests for None as it compiles), the sizes, strides
-    and scalars (:func:`tile_operands`)."""
+    logits' operands, the rows' values and the terms, None where absent (the kernel tests for
+    None as it compiles; :func:`tile_operands`)."""
 
-    e: torch.Tensor
-    c: torch.Tensor
-    bias: Optional[torch.Tensor]
-    vocab_order: Optional[torch.Tensor]
+    logits: LogitOperands
     target_positions: torch.Tensor
     lse: torch.Tensor
     prob_scale: torch.Tensor
     target_entry: torch.Tensor
     uniform: RankOneTerm  # the share of label smoothing's term the tiles hold, or Nones
     entropy: EntropyTerm  # or Nones
-    softcap: Optional[float]
     filter_eps: Optional[float]
-    num_tokens: int
-    vocab_size: int
-    dim: int
-    e_strides: "tuple[int, int]"
-    c_strides: "tuple[int, int]"
 
 
 class TileChoice(NamedTuple):
@@ -96,7 +88,7 @@ def gradient_tiles_kernel(operands, tiles, SEGMENTS_PER_PAGE: tl.constexpr,
                           BLOCK_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Which paths compile follows from which tensors are given.
     LISTED: tl.constexpr = tiles.lists is not None
-    SORTED: tl.constexpr = operands.vocab_order is not None
+    SORTED: tl.constexpr = operands.logits.vocab_order is not None
     # Token blocks vary fastest: the programs in flight share their tiles of c.
     if LISTED:
         # The k-th listed token block of a vocabulary block of the chunk goes to slot
@@ -131,14 +123,15 @@ def gradient_tiles_kernel(operands, tiles, SEGMENTS_PER_PAGE: tl.constexpr,
 
     if live:
         rows = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-        row_mask = rows < operands.num_tokens
+        row_mask = rows < operands.logits.num_tokens
         # Where the tile goes, looked up before the tile is computed: afterwards the lookup
         # competes with the tile for registers.
         entries = tl.arange(0, BLOCK_VOCAB)
         offsets = segment_offsets(tiles.scratch, segments, entries, row_mask, SEGMENTS_PER_PAGE,
                                   BLOCK_VOCAB)
         vocab, vocab_mask = vocab_block_entries(
-            operands.vocab_order, vocab_block, entries, operands.vocab_size, BLOCK_VOCAB, SORTED)
+            operands.logits.vocab_order, vocab_block, entries, operands.logits.vocab_size,
+            BLOCK_VOCAB, SORTED)
         grad, keep, row_mass = logit_gradient_tile(
             operands, rows, row_mask, vocab_block, vocab, vocab_mask,
             BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
@@ -256,9 +249,7 @@ def tile_operands(inputs: RecomputeInputs) -> TileOperands:
     uniform = (rank_one if rank_one is not None and softcap is not None
                else RankOneTerm(None, None))
     return TileOperands(
-        e=e, c=c, bias=inputs.bias, vocab_order=inputs.vocab_order,
+        logits=logit_operands(e, c, inputs.bias, inputs.vocab_order, softcap),
         target_positions=inputs.target_positions, lse=inputs.lse, prob_scale=inputs.prob_scale,
         target_entry=inputs.target_entry, uniform=uniform,
-        entropy=inputs.entropy or EntropyTerm(None, None), softcap=softcap,
-        filter_eps=inputs.filter_eps, num_tokens=e.shape[0], vocab_size=c.shape[0],
-        dim=e.shape[1], e_strides=e.stride(), c_strides=c.stride())
+        entropy=inputs.entropy or EntropyTerm(None, None), filter_eps=inputs.filter_eps)

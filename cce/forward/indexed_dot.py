@@ -13,49 +13,42 @@ import triton
 import triton.language as tl
 
 from cce.config import kernel_configs
-from cce.logit_tile import tanh
+from cce.logit_tile import logit_operands, tanh
 
 
 @triton.jit
-def indexed_dot_kernel(
-    e_ptr, c_ptr, bias_ptr, targets_ptr, out_ptr, num_tokens, dim,
-    stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    BLOCK_TOKENS: tl.constexpr, BLOCK_DIM: tl.constexpr,
-):
+def indexed_dot_kernel(operands, targets_ptr, out_ptr, BLOCK_TOKENS: tl.constexpr,
+                       BLOCK_DIM: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-    row_mask = rows < num_tokens
+    row_mask = rows < operands.num_tokens
     targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
     gather_mask = row_mask & (targets >= 0)  # ignored tokens (-1) read nothing
-    e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_e_row
-    c_rows = c_ptr + targets.to(tl.int64)[:, None] * stride_c_row
+    e_rows = operands.e + rows.to(tl.int64)[:, None] * operands.stride_e_row
+    c_rows = operands.c + targets.to(tl.int64)[:, None] * operands.stride_c_row
     offsets_dim = tl.arange(0, BLOCK_DIM)
     acc = tl.zeros((BLOCK_TOKENS, BLOCK_DIM), dtype=tl.float32)
-    for dim_start in range(0, dim, BLOCK_DIM):
+    for dim_start in range(0, operands.dim, BLOCK_DIM):
         dims = dim_start + offsets_dim
-        mask = gather_mask[:, None] & (dims < dim)[None, :]
-        e_block = tl.load(e_rows + dims[None, :] * stride_e_dim, mask=mask, other=0.0)
-        c_block = tl.load(c_rows + dims[None, :] * stride_c_dim, mask=mask, other=0.0)
+        mask = gather_mask[:, None] & (dims < operands.dim)[None, :]
+        e_block = tl.load(e_rows + dims[None, :] * operands.stride_e_dim, mask=mask, other=0.0)
+        c_block = tl.load(c_rows + dims[None, :] * operands.stride_c_dim, mask=mask, other=0.0)
         acc += e_block.to(tl.float32) * c_block.to(tl.float32)
     logit = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        logit += tl.load(bias_ptr + targets, mask=gather_mask, other=0.0).to(tl.float32)
-    if HAS_SOFTCAP:
-        logit = softcap * tanh(logit / softcap)
+    if operands.bias is not None:
+        logit += tl.load(operands.bias + targets, mask=gather_mask, other=0.0).to(tl.float32)
+    if operands.softcap is not None:
+        logit = operands.softcap * tanh(logit / operands.softcap)
     tl.store(out_ptr + rows, logit, mask=row_mask)
 
 
 def indexed_dot(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                 bias: Optional[torch.Tensor], softcap: Optional[float]) -> torch.Tensor:
     """float32 (N,) target logits; 0 (or the softcapped bias-free 0) where targets is -1."""
-    num_tokens, dim = e.shape
-    out = torch.empty(num_tokens, dtype=torch.float32, device=e.device)
+    out = torch.empty(e.shape[0], dtype=torch.float32, device=e.device)
     config = kernel_configs(e.dtype).indexed_dot
-    grid = (triton.cdiv(num_tokens, config.block_tokens),)
+    grid = (triton.cdiv(e.shape[0], config.block_tokens),)
     indexed_dot_kernel[grid](
-        e, c, bias, targets, out, num_tokens, dim,
-        e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+        logit_operands(e, c, bias, None, softcap), targets, out,
         BLOCK_TOKENS=config.block_tokens, BLOCK_DIM=config.block_dim,
         num_warps=config.num_warps,
     )

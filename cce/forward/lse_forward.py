@@ -45,7 +45,7 @@ except ImportError:  # a Triton without host-side descriptors: rows are gathered
 
 from cce.config import (deterministic_head_blocks, dot_precision, forward_vocab_splits,
                         interpreting, kernel_configs, tma_copies_rows)
-from cce.logit_tile import (LOG2_E, finish_logits, holds_padding, logit_tile,
+from cce.logit_tile import (LOG2_E, finish_logits, holds_padding, logit_operands, logit_tile,
                             tile_product_by_descriptor, vocab_block_entries)
 from cce.weighting import entropy_of_parts, first_largest
 
@@ -115,49 +115,109 @@ def log_probability_bound(row_max, lse_lower, recorded_rows):
     return tl.max(tl.where(recorded_rows, row_max - lse_lower, float("-inf")))
 
 
+class ForwardLaunch(NamedTuple):
+    """One launch of the forward kernel: forward tiles [first_block, last_block) of the order,
+    each token block's shared by programs of ``blocks_per_program`` tiles, whose partials (in
+    deterministic mode) are splits ``first_split, ...`` of all launches' ``num_splits``."""
+
+    first_block: int
+    last_block: int
+    blocks_per_program: int
+    first_split: int
+    num_splits: int
+
+    @property
+    def splits(self) -> int:
+        return triton.cdiv(self.last_block - self.first_block, self.blocks_per_program)
+
+
+class BoundRecord(NamedTuple):
+    """What recording the live grid's bounds reads and writes (Nones without a record): the
+    targets (ignored rows are left out), their logits (a first lower bound of the LSE), the
+    table of bounds, and in deterministic mode the head's LSE (:func:`lse_forward`)."""
+
+    targets: Optional[torch.Tensor]
+    target_logit: Optional[torch.Tensor]
+    tile_bound: Optional[torch.Tensor]
+    head_lse: Optional[torch.Tensor]
+
+
+class LeftOut(NamedTuple):
+    """The entry each row leaves out of its LSE (int32 (N,) positions, -1 for none) and which
+    forward tiles hold one (int8, token blocks x vocabulary blocks), or Nones."""
+
+    positions: Optional[torch.Tensor]
+    tiles: Optional[torch.Tensor]
+
+
+class RowResults(NamedTuple):
+    """Where the programs put what they add up per row, None for what is not asked: merged
+    under the token block's lock into ``lse``, the sums, the entropy and the argmax or, in
+    deterministic mode (``partials`` given, no locks), each program's into its split of
+    ``partials``' planes: the LSE, the sums, the entropy (``entropy_plane``), the argmax's
+    values and index bits (``argmax_plane``); the planes' numbers are None for what is not
+    asked in either mode. ``class_weight`` weighs the logit sum."""
+
+    lse: Optional[torch.Tensor]
+    locks: Optional[torch.Tensor]
+    partials: Optional[torch.Tensor]
+    logit_sum: Optional[torch.Tensor]
+    curvature_sum: Optional[torch.Tensor]
+    class_weight: Optional[torch.Tensor]
+    entropy: Optional[torch.Tensor]
+    argmax_value: Optional[torch.Tensor]
+    argmax_index: Optional[torch.Tensor]
+    entropy_plane: Optional[int]
+    argmax_plane: Optional[int]
+
+
 @triton.jit
-def lse_forward_kernel(
-    e_ptr, c_ptr, e_desc, c_desc, bias_ptr, targets_ptr, target_logit_ptr, vocab_order_ptr,
-    left_out_ptr, left_out_tiles_ptr, lse_ptr, locks_ptr, tile_bound_ptr, split_lse_ptr,
-    head_lse_ptr, class_weight_ptr, logit_sum_ptr, curvature_sum_ptr, entropy_ptr,
-    argmax_value_ptr, argmax_index_ptr, num_tokens, vocab_size, dim, first_launch_block,
-    last_launch_block, vocab_blocks_per_program, first_split, num_splits, stride_e_row,
-    stride_e_dim, stride_c_row, stride_c_dim, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SORTED: tl.constexpr,
-    RECORD_TILE_BOUND: tl.constexpr, LOGIT_SUM: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
-    CURVATURE_SUM: tl.constexpr, LIVE_BLOCK_VOCAB: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    BY_DESCRIPTOR: tl.constexpr, LEAVES_OUT: tl.constexpr, ENTROPY: tl.constexpr,
-    ARGMAX: tl.constexpr, ENTROPY_PLANE: tl.constexpr, ARGMAX_PLANE: tl.constexpr,
-    BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+def lse_forward_kernel(operands, e_desc, c_desc, launch, record, left_out, results,
+                       LIVE_BLOCK_VOCAB: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+                       BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    # Which paths compile follows from which tensors are given.
+    SORTED: tl.constexpr = operands.vocab_order is not None
+    BY_DESCRIPTOR: tl.constexpr = c_desc is not None
+    RECORD_TILE_BOUND: tl.constexpr = record.tile_bound is not None
+    LEAVES_OUT: tl.constexpr = left_out.positions is not None
+    DETERMINISTIC: tl.constexpr = results.partials is not None
+    LOGIT_SUM: tl.constexpr = results.logit_sum is not None
+    CURVATURE_SUM: tl.constexpr = results.curvature_sum is not None
+    HAS_CLASS_WEIGHT: tl.constexpr = results.class_weight is not None
+    ENTROPY: tl.constexpr = results.entropy is not None
+    ARGMAX: tl.constexpr = results.argmax_plane is not None
+    num_tokens = operands.num_tokens
+    vocab_size = operands.vocab_size
     # Token blocks vary fastest: the programs in flight walk the same slice of c at about the
     # same time (read once from memory), while the much smaller e stays in L2.
     num_token_blocks = tl.cdiv(num_tokens, BLOCK_TOKENS)
     num_live_vocab_blocks = tl.cdiv(vocab_size, LIVE_BLOCK_VOCAB)
     RECORDS_PER_TILE: tl.constexpr = BLOCK_VOCAB // LIVE_BLOCK_VOCAB
     token_block = tl.program_id(0) % num_token_blocks
-    split = first_split + tl.program_id(0) // num_token_blocks  # this call's, over all launches
-    first_vocab_block = (first_launch_block
-                         + (tl.program_id(0) // num_token_blocks) * vocab_blocks_per_program)
-    last_vocab_block = tl.minimum(first_vocab_block + vocab_blocks_per_program, last_launch_block)
+    split = launch.first_split + tl.program_id(0) // num_token_blocks  # over all launches
+    first_vocab_block = (launch.first_block
+                         + (tl.program_id(0) // num_token_blocks) * launch.blocks_per_program)
+    last_vocab_block = tl.minimum(first_vocab_block + launch.blocks_per_program,
+                                  launch.last_block)
 
     rows = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     row_mask = rows < num_tokens
     if RECORD_TILE_BOUND:
         # Ignored tokens get no loss gradient: leaving them out tightens the backward's bound.
-        targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
+        targets = tl.load(record.targets + rows, mask=row_mask, other=-1)
         recorded_rows = targets >= 0
         # Lower bounds of the final LSE known before the first tile: the target's logit and,
         # in deterministic mode, the LSE of the head of the order (an earlier launch's; -inf
         # in the head's own).
-        known_lower = tl.load(target_logit_ptr + rows, mask=recorded_rows, other=float("-inf"))
+        known_lower = tl.load(record.target_logit + rows, mask=recorded_rows,
+                              other=float("-inf"))
         if DETERMINISTIC:
             known_lower = lower_bound_of_sum(known_lower, tl.load(
-                head_lse_ptr + rows, mask=row_mask, other=float("-inf")), LEAVES_OUT)
+                record.head_lse + rows, mask=row_mask, other=float("-inf")), LEAVES_OUT)
     if LEAVES_OUT:
-        left_out = tl.load(left_out_ptr + rows, mask=row_mask, other=-1)
-        left_out_tiles = left_out_tiles_ptr + token_block * tl.cdiv(vocab_size, BLOCK_VOCAB)
+        left_out_positions = tl.load(left_out.positions + rows, mask=row_mask, other=-1)
+        left_out_tiles = left_out.tiles + token_block * tl.cdiv(vocab_size, BLOCK_VOCAB)
         next_holds = tl.load(left_out_tiles + first_vocab_block,
                              mask=first_vocab_block < last_vocab_block, other=0).to(tl.int32)
     running_max = tl.full((BLOCK_TOKENS,), float("-inf"), dtype=tl.float32)
@@ -174,25 +234,22 @@ def lse_forward_kernel(
     # argmax: the next tile's registers and the argmax's spill.
     FLATTEN: tl.constexpr = BY_DESCRIPTOR and not ARGMAX
     for vocab_block in tl.range(first_vocab_block, last_vocab_block, flatten=FLATTEN):
-        vocab, vocab_mask = vocab_block_entries(vocab_order_ptr, vocab_block,
+        vocab, vocab_mask = vocab_block_entries(operands.vocab_order, vocab_block,
                                                 tl.arange(0, BLOCK_VOCAB), vocab_size,
                                                 BLOCK_VOCAB, SORTED)
         if BY_DESCRIPTOR:
             logits = finish_logits(
                 tile_product_by_descriptor(e_desc, c_desc, token_block * BLOCK_TOKENS,
-                                           vocab_block * BLOCK_VOCAB, dim, BLOCK_DIM,
+                                           vocab_block * BLOCK_VOCAB, operands.dim, BLOCK_DIM,
                                            DOT_PRECISION),
-                bias_ptr, vocab, vocab_mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+                operands, vocab, vocab_mask)
         else:
-            logits = logit_tile(
-                e_ptr, c_ptr, bias_ptr, rows, row_mask, vocab, vocab_mask, dim,
-                stride_e_row, stride_e_dim, stride_c_row, stride_c_dim, softcap,
-                HAS_BIAS, HAS_SOFTCAP, BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
-            )
+            logits = logit_tile(operands, rows, row_mask, vocab, vocab_mask,
+                                BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION)
         if LOGIT_SUM:
             # Before the padding gets -inf: its weight is 0.
             if HAS_CLASS_WEIGHT:
-                class_weight = tl.load(class_weight_ptr + vocab, mask=vocab_mask, other=0.0)
+                class_weight = tl.load(results.class_weight + vocab, mask=vocab_mask, other=0.0)
             else:
                 class_weight = vocab_mask.to(tl.float32)
             weighted = logits * class_weight[None, :]
@@ -221,7 +278,7 @@ def lse_forward_kernel(
                                  mask=vocab_block + 1 < last_vocab_block, other=0).to(tl.int32)
             if holds != 0:
                 logits = tl.where((vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB))[None, :]
-                                  != left_out[:, None], logits, float("-inf"))
+                                  != left_out_positions[:, None], logits, float("-inf"))
         if RECORD_TILE_BOUND and RECORDS_PER_TILE == 2:
             # The row maxima of each live-grid tile, by masking the other one's columns: the
             # LSE's row maxima are their maxima. (A reshape of the tile, or joining the two
@@ -259,14 +316,14 @@ def lse_forward_kernel(
                                            LEAVES_OUT)
             if not DETERMINISTIC:
                 lse_lower = lower_bound_of_sum(lse_lower, tl.load(
-                    lse_ptr + rows, mask=row_mask, other=float("-inf"), volatile=True),
+                    results.lse + rows, mask=row_mask, other=float("-inf"), volatile=True),
                     LEAVES_OUT)
             # From row maxima: a maximum per column would cost a reduction across warps.
-            record = token_block * num_live_vocab_blocks + vocab_block * RECORDS_PER_TILE
-            tl.store(tile_bound_ptr + record,
-                     log_probability_bound(left_row_max, lse_lower, recorded_rows))
+            bound = (record.tile_bound + token_block * num_live_vocab_blocks
+                     + vocab_block * RECORDS_PER_TILE)
+            tl.store(bound, log_probability_bound(left_row_max, lse_lower, recorded_rows))
             if RECORDS_PER_TILE == 2:
-                tl.store(tile_bound_ptr + record + 1,
+                tl.store(bound + 1,
                          log_probability_bound(right_row_max, lse_lower, recorded_rows),
                          mask=vocab_block * 2 + 1 < num_live_vocab_blocks)
     safe_max = exp_shift(running_max)
@@ -275,66 +332,63 @@ def lse_forward_kernel(
     program_entropy = tl.where(running_sum > 0,
                                tl.log(running_sum) - logit_moment / running_sum, 0.0)
     if CURVATURE_SUM:
-        curvature_sum = curvature_sum / (softcap * softcap)
+        curvature_sum = curvature_sum / (operands.softcap * operands.softcap)
 
     if DETERMINISTIC:
         # The returned LSE (and sums): each program's partial, merged in a fixed order
         # afterwards, with no lock.
-        tl.store(split_lse_ptr + split * num_tokens + rows, program_lse, mask=row_mask)
+        planes = results.partials
+        num_splits = launch.num_splits
+        tl.store(planes + split * num_tokens + rows, program_lse, mask=row_mask)
         if LOGIT_SUM:
-            tl.store(split_lse_ptr + (num_splits + split) * num_tokens + rows, logit_sum,
-                     mask=row_mask)
+            tl.store(planes + (num_splits + split) * num_tokens + rows, logit_sum, mask=row_mask)
             if CURVATURE_SUM:
-                tl.store(split_lse_ptr + (2 * num_splits + split) * num_tokens + rows,
-                         curvature_sum, mask=row_mask)
+                tl.store(planes + (2 * num_splits + split) * num_tokens + rows, curvature_sum,
+                         mask=row_mask)
         if ENTROPY:
-            tl.store(split_lse_ptr + (ENTROPY_PLANE * num_splits + split) * num_tokens + rows,
+            tl.store(planes + (results.entropy_plane * num_splits + split) * num_tokens + rows,
                      program_entropy, mask=row_mask)
         if ARGMAX:  # the index's bits in a float32 plane
-            argmax_plane = split_lse_ptr + (ARGMAX_PLANE * num_splits + split) * num_tokens
-            tl.store(argmax_plane + rows, best_value, mask=row_mask)
-            tl.store(argmax_plane + num_splits * num_tokens + rows,
+            argmax_partials = planes + (results.argmax_plane * num_splits + split) * num_tokens
+            tl.store(argmax_partials + rows, best_value, mask=row_mask)
+            tl.store(argmax_partials + num_splits * num_tokens + rows,
                      best_index.to(tl.float32, bitcast=True), mask=row_mask)
     else:
-        _merge_under_lock(locks_ptr + token_block, lse_ptr, logit_sum_ptr, curvature_sum_ptr,
-                          entropy_ptr, argmax_value_ptr, argmax_index_ptr, rows, row_mask,
-                          program_lse, logit_sum, curvature_sum, program_entropy, best_value,
-                          best_index, LOGIT_SUM, CURVATURE_SUM, ENTROPY, ARGMAX)
+        _merge_under_lock(results.locks + token_block, results, rows, row_mask, program_lse,
+                          logit_sum, curvature_sum, program_entropy, best_value, best_index)
 
 
 @triton.jit
-def _merge_under_lock(lock, lse_ptr, logit_sum_ptr, curvature_sum_ptr, entropy_ptr,
-                      argmax_value_ptr, argmax_index_ptr, rows, row_mask, program_lse,
-                      logit_sum, curvature_sum, program_entropy, best_value, best_index,
-                      LOGIT_SUM: tl.constexpr, CURVATURE_SUM: tl.constexpr,
-                      ENTROPY: tl.constexpr, ARGMAX: tl.constexpr):
-    """Adds a program's partial LSE (and sums, entropy, argmax) into the token block's,
-    under its spin lock."""
+def _merge_under_lock(lock, results, rows, row_mask, program_lse, logit_sum, curvature_sum,
+                      program_entropy, best_value, best_index):
+    """Adds a program's partial LSE (and sums, entropy, argmax) into the token block's
+    (``results``: :class:`RowResults`), under its spin lock."""
     while tl.atomic_cas(lock, 0, 1) == 1:
         pass
     # .cg: read the merged value from L2, never a stale L1 line of another program's update.
-    current = tl.load(lse_ptr + rows, mask=row_mask, cache_modifier=".cg")
+    current = tl.load(results.lse + rows, mask=row_mask, cache_modifier=".cg")
     merged = log_add_exp(current, program_lse)
-    tl.store(lse_ptr + rows, merged, mask=row_mask)
-    if ENTROPY:
-        current_entropy = tl.load(entropy_ptr + rows, mask=row_mask, cache_modifier=".cg")
-        tl.store(entropy_ptr + rows,
+    tl.store(results.lse + rows, merged, mask=row_mask)
+    if results.entropy is not None:
+        current_entropy = tl.load(results.entropy + rows, mask=row_mask, cache_modifier=".cg")
+        tl.store(results.entropy + rows,
                  part_entropy_term(current_entropy, current, merged)
                  + part_entropy_term(program_entropy, program_lse, merged), mask=row_mask)
-    if ARGMAX:
+    if results.argmax_plane is not None:
         value, index = argmax_merge(
-            tl.load(argmax_value_ptr + rows, mask=row_mask, cache_modifier=".cg"),
-            tl.load(argmax_index_ptr + rows, mask=row_mask, cache_modifier=".cg"),
+            tl.load(results.argmax_value + rows, mask=row_mask, cache_modifier=".cg"),
+            tl.load(results.argmax_index + rows, mask=row_mask, cache_modifier=".cg"),
             best_value, best_index)
-        tl.store(argmax_value_ptr + rows, value, mask=row_mask)
-        tl.store(argmax_index_ptr + rows, index, mask=row_mask)
-    if LOGIT_SUM:
-        merged_sum = tl.load(logit_sum_ptr + rows, mask=row_mask, cache_modifier=".cg")
-        tl.store(logit_sum_ptr + rows, merged_sum + logit_sum, mask=row_mask)
-        if CURVATURE_SUM:
-            merged_curvature = tl.load(curvature_sum_ptr + rows, mask=row_mask,
+        tl.store(results.argmax_value + rows, value, mask=row_mask)
+        tl.store(results.argmax_index + rows, index, mask=row_mask)
+    if results.logit_sum is not None:
+        merged_sum = tl.load(results.logit_sum + rows, mask=row_mask, cache_modifier=".cg")
+        tl.store(results.logit_sum + rows, merged_sum + logit_sum, mask=row_mask)
+        if results.curvature_sum is not None:
+            merged_curvature = tl.load(results.curvature_sum + rows, mask=row_mask,
                                        cache_modifier=".cg")
-            tl.store(curvature_sum_ptr + rows, merged_curvature + curvature_sum, mask=row_mask)
+            tl.store(results.curvature_sum + rows, merged_curvature + curvature_sum,
+                     mask=row_mask)
     tl.debug_barrier()  # every thread's store is issued before the lock is released
     tl.atomic_xchg(lock, 0)
 
@@ -393,17 +447,22 @@ def _tiles_holding(positions: torch.Tensor, block_tokens: int, block_vocab: int,
     return tiles
 
 
-class _Launch(NamedTuple):
-    """One launch of the forward kernel: forward tiles [first_block, last_block) of the order,
-    each token block's shared by programs of ``blocks_per_program`` tiles."""
-
-    first_block: int
-    last_block: int
-    blocks_per_program: int
-
-    @property
-    def splits(self) -> int:
-        return triton.cdiv(self.last_block - self.first_block, self.blocks_per_program)
+def _launches(num_token_blocks: int, num_vocab_blocks: int, device: torch.device,
+              record: bool, with_head: bool) -> "list[ForwardLaunch]":
+    """The forward's launches: in deterministic mode with bounds, first the head of the order
+    (``config.deterministic_head_blocks``), one program per tile so that it spreads over the
+    GPU even at small N; then the rest, in programs of several tiles
+    (``config.forward_vocab_splits``)."""
+    head = deterministic_head_blocks(num_vocab_blocks) if with_head else 0
+    ranges = [(0, head, 1)] if head else []
+    if head < num_vocab_blocks:
+        splits = forward_vocab_splits(num_token_blocks, num_vocab_blocks - head, device, record)
+        ranges.append((head, num_vocab_blocks, triton.cdiv(num_vocab_blocks - head, splits)))
+    splits_before = [0]
+    for first, last, per_program in ranges:
+        splits_before.append(splits_before[-1] + triton.cdiv(last - first, per_program))
+    return [ForwardLaunch(first, last, per_program, first_split, splits_before[-1])
+            for (first, last, per_program), first_split in zip(ranges, splits_before)]
 
 
 def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
@@ -451,22 +510,16 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
 
     ``copy_classifier``: with sorting, read a copy of ``c`` in position order where descriptors
     can (:func:`classifier_by_position`; the caller decides: :mod:`cce.forward.plan`)."""
-    num_tokens, dim = e.shape
+    num_tokens = e.shape[0]
     vocab_size = c.shape[0]
     configs = kernel_configs(e.dtype)
     config, live_grid = configs.lse_forward, configs.live_grid
     num_token_blocks = triton.cdiv(num_tokens, config.block_tokens)
     num_vocab_blocks = triton.cdiv(vocab_size, config.block_vocab)
     record = target_logit is not None
-    head = deterministic_head_blocks(num_vocab_blocks) if deterministic and record else 0
-    # The head's programs run first, one per tile: spread over the GPU even at small N.
-    launches = [_Launch(0, head, 1)] if head else []
-    if head < num_vocab_blocks:
-        splits = forward_vocab_splits(num_token_blocks, num_vocab_blocks - head, e.device,
-                                      record)
-        launches.append(_Launch(head, num_vocab_blocks,
-                                triton.cdiv(num_vocab_blocks - head, splits)))
-    num_splits = sum(launch.splits for launch in launches)
+    launches = _launches(num_token_blocks, num_vocab_blocks, e.device, record,
+                         deterministic and record)
+    num_splits = launches[-1].num_splits
 
     lse = locks = None
     if not deterministic:
@@ -495,33 +548,28 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         e_desc = TensorDescriptor.from_tensor(e, [config.block_tokens, config.block_dim])
         c_desc = TensorDescriptor.from_tensor(c_by_position,
                                               [config.block_vocab, config.block_dim])
-    head_lse = torch.full_like(target_logit, float("-inf")) if head else None
+    head_lse = (torch.full_like(target_logit, float("-inf")) if deterministic and record
+                else None)
+    bounds = BoundRecord(targets=targets if record else None, target_logit=target_logit,
+                         tile_bound=tile_bound, head_lse=head_lse)
     left_out_tiles = (_tiles_holding(left_out, config.block_tokens, config.block_vocab,
                                      num_vocab_blocks) if left_out is not None else None)
-    first_split = 0
+    results = RowResults(lse=lse, locks=locks, partials=split_lse, logit_sum=logit_sum,
+                         curvature_sum=curvature_sum, class_weight=class_weight,
+                         entropy=entropy, argmax_value=argmax_value, argmax_index=argmax_index,
+                         entropy_plane=entropy_plane if entropy is not None else None,
+                         argmax_plane=argmax_plane if argmax is not None else None)
     for launch in launches:
-        if first_split:
-            torch.logsumexp(split_lse[0, :first_split], dim=0, out=head_lse)
+        if launch.first_split:  # after the head's launch: its LSE bounds every later row
+            torch.logsumexp(split_lse[0, :launch.first_split], dim=0, out=head_lse)
         lse_forward_kernel[(num_token_blocks * launch.splits,)](
-            e, c, e_desc, c_desc, bias, targets, target_logit, vocab_order, left_out,
-            left_out_tiles, lse, locks,
-            tile_bound, split_lse, head_lse, class_weight, logit_sum, curvature_sum, entropy,
-            argmax_value, argmax_index, num_tokens,
-            vocab_size, dim, launch.first_block, launch.last_block, launch.blocks_per_program,
-            first_split, num_splits,
-            e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap or 1.0,
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-            SORTED=vocab_order is not None, RECORD_TILE_BOUND=record,
-            LOGIT_SUM=logit_sum is not None, HAS_CLASS_WEIGHT=class_weight is not None,
-            CURVATURE_SUM=curvature_sum is not None, LIVE_BLOCK_VOCAB=live_grid.block_vocab,
-            DETERMINISTIC=deterministic, BY_DESCRIPTOR=c_by_position is not None,
-            LEAVES_OUT=left_out is not None, ENTROPY=entropy is not None,
-            ARGMAX=argmax is not None, ENTROPY_PLANE=entropy_plane, ARGMAX_PLANE=argmax_plane,
-            BLOCK_TOKENS=config.block_tokens, BLOCK_VOCAB=config.block_vocab,
-            BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(e.dtype),
+            logit_operands(e, c, bias, vocab_order, softcap), e_desc, c_desc, launch, bounds,
+            LeftOut(left_out, left_out_tiles), results,
+            LIVE_BLOCK_VOCAB=live_grid.block_vocab, BLOCK_TOKENS=config.block_tokens,
+            BLOCK_VOCAB=config.block_vocab, BLOCK_DIM=config.block_dim,
+            DOT_PRECISION=dot_precision(e.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
-        first_split += launch.splits
     if deterministic:
         lse = torch.logsumexp(split_lse[0], dim=0)
         for index, total in enumerate(sums, 1):
