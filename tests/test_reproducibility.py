@@ -87,6 +87,33 @@ def test_deterministic_is_bitwise_at_a_bench_shape(gen, keep_tiles):
 
 
 @needs_cuda
+@pytest.mark.xfail(strict=False, reason="dC varies between calls with class weights and label "
+                   "smoothing (H200, 2026-11-28; results/outputs/"
+                   "deterministic_dc_weight_smoothing_h200.log)")
+def test_deterministic_is_bitwise_with_class_weights_and_smoothing(gen):
+    n, v, d = 3001, 50257, 512
+    e = (torch.randn(n, d, generator=gen) * 2).to("cuda", torch.bfloat16)
+    c = (torch.randn(v, d, generator=gen) * 0.05).to("cuda", torch.bfloat16)
+    bias = torch.randn(v, generator=gen).to("cuda", torch.bfloat16)
+    weight = torch.rand(v, generator=gen).to("cuda")
+    targets = torch.randint(0, v, (n,), generator=gen).to("cuda")
+    targets[::7] = -100
+
+    def run():
+        leaves = [x.clone().requires_grad_() for x in (e, c, bias)]
+        loss, lse = cce.linear_cross_entropy(leaves[0], leaves[1], targets, bias=leaves[2],
+                                             weight=weight, label_smoothing=0.1,
+                                             deterministic=True, return_lse=True,
+                                             reduction="none")
+        (loss.sum() + 0.01 * lse.sum()).backward()
+        return [loss.detach(), lse.detach()] + [x.grad for x in leaves]
+
+    first, second = run(), run()
+    for what, value, expected in zip(("loss", "lse", "dE", "dC", "dbias"), second, first):
+        assert torch.equal(value, expected), what
+
+
+@needs_cuda
 @pytest.mark.parametrize("shape", [(2048, 32064, 3072), (4096, 128256, 1024)])
 def test_capture_and_replay_match_eager(gen, shape):
     n, v, d = shape
