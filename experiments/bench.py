@@ -15,7 +15,8 @@ Methods: ``cce`` and its ablations, the ``torch``, ``torch_compile`` and ``chunk
 (the variants of :mod:`experiments.compare_impls`), ``cce`` with label smoothing, with
 ``z_loss``, with ``temperature`` and with ``return_entropy`` (an entropy bonus,
 ``loss - 0.01 * entropy.mean()``), each against a float64 reference of its own loss, and, when
-installed, Apple's ``cut_cross_entropy`` and Liger's fused linear cross-entropy. The N sweep
+installed, Apple's ``cut_cross_entropy`` and Liger's fused linear cross-entropy, Triton and
+CuTe-DSL (Hopper only; the shapes it takes, :func:`liger_cutedsl_unsupported`). The N sweep
 and the frozen classifier measure only ``cce`` and ``torch_compile`` unless ``--methods``
 names others (:attr:`Shape.methods`). Results: ``bench.json``, ``bench.md`` (with the
 targets, MET or MISSED, and the cost of the options against plain ``cce``: "Cost of options")
@@ -180,6 +181,10 @@ class Method:
     reference_options: dict[str, float] = field(default_factory=dict)
     cce_kernels: bool = False  # runs cce's Triton kernels (in the interpreter on a CPU)
     description: str = ""  # what the row measures, where its name does not say it all
+    # Why the method cannot take these inputs (e, c and the targets of the rows it sees), or
+    # None where it can: the row is then skipped with that reason.
+    unsupported: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                   Optional[str]]] = None
 
 
 def _cce_variant_loss(impl: str, options: dict[str, Any]) -> Callable[[], Loss]:
@@ -218,6 +223,28 @@ def _liger_loss() -> Loss:
     return lambda e, c, targets: module(c, e, targets)
 
 
+def _liger_cutedsl_loss() -> Loss:
+    from liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90 import (
+        liger_fused_linear_cross_entropy_sm90)
+    # Its argument order is cce's; mean over targets != -100.
+    return lambda e, c, targets: liger_fused_linear_cross_entropy_sm90(e, c, targets)
+
+
+def liger_cutedsl_unsupported(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
+                              ) -> Optional[str]:
+    """Why Liger's CuTe-DSL SM90 kernel refuses these inputs, or None: it needs a compute
+    capability 9.0 GPU, bfloat16 ``e`` and ``c``, and N a multiple of 128, V of 256."""
+    if e.dtype != torch.bfloat16 or c.dtype != torch.bfloat16:
+        return "needs bfloat16 inputs"
+    if targets.shape[0] % 128:
+        return f"needs N a multiple of 128 (N = {targets.shape[0]})"
+    if c.shape[0] % 256:
+        return f"needs V a multiple of 256 (V = {c.shape[0]})"
+    if e.device.type != "cuda" or torch.cuda.get_device_capability(e.device) != (9, 0):
+        return "needs a compute capability 9.0 GPU"
+    return None
+
+
 METHODS: dict[str, Method] = {method.name: method for method in (
     # cce_torch (the CPU default) computes float32 logits chunk by chunk: not a GPU method.
     *(Method(v.name, _cce_variant_loss(v.impl, v.options), cce_kernels=v.impl == "cce")
@@ -239,6 +266,10 @@ METHODS: dict[str, Method] = {method.name: method for method in (
                        "the response), differentiated through the entropy"),
     Method("cut_cross_entropy", _apple_cce_loss, needs_cuda=True),
     Method("liger", _liger_loss, needs_cuda=True),
+    Method("liger_cutedsl_sm90", _liger_cutedsl_loss, needs_cuda=True,
+           unsupported=liger_cutedsl_unsupported,
+           description="Liger's CuTe-DSL Hopper kernel (liger_fused_linear_cross_entropy_sm90): "
+                       "writes every bf16 logit, dE in the forward"),
 )}
 KERNEL_METHODS = tuple(name for name, method in METHODS.items() if method.cce_kernels)
 # The issue's limits on the cost of an option: its row's fwd+bwd time over plain cce's on the
@@ -671,6 +702,11 @@ def _measure(method: Method, shape: Shape, e: torch.Tensor, c: torch.Tensor,
         return {"skipped": f"not installed ({error})"}
     except Exception as error:  # installed but broken (a version clash): the others still run
         return {"error": f"{type(error).__name__}: {error}"}
+    if method.unsupported is not None:
+        seen = targets[targets != IGNORE_INDEX] if shape.ignored_removed else targets
+        reason = method.unsupported(e, c, seen)
+        if reason is not None:
+            return {"skipped": reason}
     if shape.ignored_removed:
         loss_fn = remove_ignored_tokens(loss_fn, targets)
     return measure_loss(loss_fn, e, c, targets, reference, asdict(how))

@@ -153,6 +153,19 @@ def test_the_committed_figure_reads_on_a_laptop_screen() -> None:
     plt.close(figure)
 
 
+@pytest.mark.parametrize("n, v, dtype, reason", [
+    (256, 512, torch.float32, "needs bfloat16 inputs"),
+    (200, 512, torch.bfloat16, "needs N a multiple of 128 (N = 200)"),
+    (256, 32064, torch.bfloat16, "needs V a multiple of 256 (V = 32064)"),
+    (256, 512, torch.bfloat16, "needs a compute capability 9.0 GPU"),
+])
+def test_liger_cutedsl_row_is_skipped_with_the_reason_it_refuses(n, v, dtype, reason) -> None:
+    from experiments.bench import liger_cutedsl_unsupported
+
+    e, c = torch.zeros(n, 16, dtype=dtype), torch.zeros(v, 16, dtype=dtype)
+    assert liger_cutedsl_unsupported(e, c, torch.zeros(n, dtype=torch.long)) == reason
+
+
 def test_sparsity_statistics_match_brute_force() -> None:
     from cce.forward.vocab_order import vocab_order
     from experiments.synthetic import lm_like_inputs, sparsity_statistics
