@@ -20,8 +20,8 @@ class LogitOperands(NamedTuple):
     """What a logit tile reads, as the kernels take it (one argument): the tensors, the sizes,
     the strides, and the optional parts, None where absent (a kernel tests for None as it
     compiles: no bias, no sorting, no softcap; :func:`logit_operands`). The strides are
-    fields of their own: read in a loop, a nested tuple's element specialized to 1 reads None
-    in Triton 3.6."""
+    fields of their own: read in a loop, a nested tuple's element specialized to 1 can read
+    None in Triton 3.6."""
 
     e: torch.Tensor
     c: torch.Tensor
