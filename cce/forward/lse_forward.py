@@ -458,11 +458,11 @@ def _launches(num_token_blocks: int, num_vocab_blocks: int, device: torch.device
     if head < num_vocab_blocks:
         splits = forward_vocab_splits(num_token_blocks, num_vocab_blocks - head, device, record)
         ranges.append((head, num_vocab_blocks, triton.cdiv(num_vocab_blocks - head, splits)))
-    splits_before = [0]
+    launches, num_splits = [], 0
     for first, last, per_program in ranges:
-        splits_before.append(splits_before[-1] + triton.cdiv(last - first, per_program))
-    return [ForwardLaunch(first, last, per_program, first_split, splits_before[-1])
-            for (first, last, per_program), first_split in zip(ranges, splits_before)]
+        launches.append(ForwardLaunch(first, last, per_program, num_splits, 0))
+        num_splits += launches[-1].splits
+    return [launch._replace(num_splits=num_splits) for launch in launches]
 
 
 def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
@@ -517,8 +517,8 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     num_token_blocks = triton.cdiv(num_tokens, config.block_tokens)
     num_vocab_blocks = triton.cdiv(vocab_size, config.block_vocab)
     record = target_logit is not None
-    launches = _launches(num_token_blocks, num_vocab_blocks, e.device, record,
-                         deterministic and record)
+    with_head = deterministic and record  # the head of the order bounds the later programs
+    launches = _launches(num_token_blocks, num_vocab_blocks, e.device, record, with_head)
     num_splits = launches[-1].num_splits
 
     lse = locks = None
@@ -548,8 +548,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         e_desc = TensorDescriptor.from_tensor(e, [config.block_tokens, config.block_dim])
         c_desc = TensorDescriptor.from_tensor(c_by_position,
                                               [config.block_vocab, config.block_dim])
-    head_lse = (torch.full_like(target_logit, float("-inf")) if deterministic and record
-                else None)
+    head_lse = torch.full_like(target_logit, float("-inf")) if with_head else None
     bounds = BoundRecord(targets=targets if record else None, target_logit=target_logit,
                          tile_bound=tile_bound, head_lse=head_lse)
     left_out_tiles = (_tiles_holding(left_out, config.block_tokens, config.block_vocab,
