@@ -181,7 +181,11 @@ def sparse_tile_matmul_kernel(
         row_mask = (out_rows < io.num_tokens) | WHOLE_BLOCKS
 
     acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
-    grad_bias = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    # The bias gradient's column sums of G, by the tensor cores: G^T times a column of ones
+    # (the other 15 columns zeros, the narrowest product). A sum across the warps in the loop
+    # (tl.sum) compiled to wrong results with a rank-one term at 8 warps and 2 stages on an
+    # H200 (Triton 3.6; docs/notes/backward.md).
+    bias_sums = tl.zeros((BLOCK_ROWS, 16), dtype=tl.float32)
     # Each listed tile is multiplied in STEPS slices along the summed dimension, in one flat
     # loop: shallower steps let the software pipeline keep more of them in flight.
     DEPTH: tl.constexpr = (BLOCK_TOKENS if TRANSPOSED else BLOCK_VOCAB) // STEPS
@@ -206,7 +210,9 @@ def sparse_tile_matmul_kernel(
                 + out_dims[None, :] * io.operand_strides[1],
                 mask=token_mask[:, None] & out_mask[None, :], other=0.0)
             if HAS_BIAS:
-                grad_bias += tl.sum(operand_a.to(tl.float32), axis=1)
+                ones = tl.where((tl.arange(0, 16)[None, :] == 0) & (entries[:, None] >= 0),
+                                1.0, 0.0).to(operand_a.dtype)
+                bias_sums = tile_dot(operand_a, ones, bias_sums, DOT_PRECISION)
         else:
             if SLOT_MAP:
                 # Tiles kept whole in slots (the dC product's layout): look the slot up.
@@ -239,6 +245,7 @@ def sparse_tile_matmul_kernel(
             mean_row = tl.load(correction.mean_row + out_dims, mask=out_mask, other=0.0)
             acc += dropped[:, None] * mean_row[None, :]
 
+    grad_bias = tl.sum(bias_sums, axis=1)  # adds the zero columns: exact
     if RANK_ONE:
         if split == 0:
             if RANK_ONE_ROWS:
