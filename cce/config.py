@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,6 +46,8 @@ class KernelConfigs:
     # The dC product on Hopper GPUs (cce.backward.classifier_product): step depth (0: not used),
     # warps of its consumer and stages.
     classifier_product: KernelConfig
+    # How tl.dot multiplies the inputs (:func:`dot_precision`); :func:`kernel_configs` sets it.
+    dot_precision: str = "tf32"
 
     def __post_init__(self):
         grid = self.live_grid
@@ -173,9 +175,12 @@ def _triton_language_interpreted() -> bool:
 
 
 def kernel_configs(dtype: torch.dtype) -> KernelConfigs:
+    """The kernels' settings for inputs of ``dtype``."""
     if interpreting():
-        return _INTERPRETER
-    return _GPU_32BIT if dtype == torch.float32 else _GPU_16BIT
+        configs = _INTERPRETER
+    else:
+        configs = _GPU_32BIT if dtype == torch.float32 else _GPU_16BIT
+    return replace(configs, dot_precision=dot_precision(dtype))
 
 
 def copy_classifier_min_tokens() -> int:

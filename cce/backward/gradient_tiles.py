@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import KernelConfigs, dot_precision
+from cce.config import KernelConfigs
 from cce.logit_tile import (LogitOperands, logit_gradient_tile, logit_operands, round_to,
                             vocab_block_entries)
 from cce.backward.tile_lists import TileLists
@@ -237,7 +237,7 @@ def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
     gradient_tiles_kernel[(programs,)](
         tile_operands(inputs), tiles, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
-        BLOCK_DIM=config.block_dim, DOT_PRECISION=dot_precision(inputs.e.dtype),
+        BLOCK_DIM=config.block_dim, DOT_PRECISION=configs.dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

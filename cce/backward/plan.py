@@ -35,7 +35,8 @@ from cce.config import (DEDICATED_SCRATCH_BYTES, SLOT_CHUNK_TOKENS, SPARE_SCRATC
 from cce.backward.gradient_tiles import RecomputeInputs
 from cce.host_copy import start_host_copy
 from cce.backward.scratch import Scratch, rows_can_hold_segments
-from cce.backward.sparse_tile_matmul import FilterCorrection, ProductSettings
+from cce.backward.epilogue_terms import FilterCorrection
+from cce.backward.sparse_tile_matmul import ProductSettings
 from cce.backward.tile_lists import ListedTiles, TileLists
 
 
@@ -629,8 +630,9 @@ def _embeddings_product(problem: _Problem, token_blocks: int, slot_map: bool,
     return ProductSettings(
         configs.live_grid,
         configs.whole_block_embeddings_product if whole_blocks else configs.sparse_tile_matmul,
-        block_out, _embeddings_splits(problem, token_blocks, block_out, room_bytes),
-        whole_blocks)
+        block_out, configs.dot_precision,
+        splits=_embeddings_splits(problem, token_blocks, block_out, room_bytes),
+        whole_blocks=whole_blocks)
 
 
 def _classifier_product(problem: _Problem, pages: Optional[torch.Tensor]) -> ProductSettings:
@@ -643,7 +645,7 @@ def _classifier_product(problem: _Problem, pages: Optional[torch.Tensor]) -> Pro
         pages))
     return ProductSettings(
         configs.live_grid, configs.classifier_product if by_tma else configs.sparse_tile_matmul,
-        _block_out(configs, recompute.e.shape[1]), by_tma=by_tma)
+        _block_out(configs, recompute.e.shape[1]), configs.dot_precision, by_tma=by_tma)
 
 
 def _slot_map(tile_lists: TileLists, transposed: bool = False) -> torch.Tensor:

@@ -38,7 +38,7 @@ Peak memory is dE + dC + a few MB of tables, partial sums and the spare buffer; 
 is accumulated in float32 on-chip and written once, without atomics, so the result is
 deterministic (the filter correction's kept mass is added up atomically, but in integers).
 Label smoothing's rank-one term of G, which has an entry in every tile, is added by the products
-in closed form (:mod:`cce.backward.sparse_tile_matmul`), so it keeps no tile live.
+in closed form (:mod:`cce.backward.epilogue_terms`), so it keeps no tile live.
 Tiles that the forward's bounds prove negligible (``live_tiles``) are never recomputed; pass 1
 records which tiles survive the exact filter, so pass 2 only recomputes those.
 """
@@ -49,12 +49,13 @@ from typing import Optional
 
 import torch
 
+from cce.backward.classifier_product import gradient_times_classifier_tma
+from cce.backward.epilogue_terms import rank_one_updates
 from cce.backward.plan import (BackwardPlan, BackwardRequest, CorrectionInputs, plan_backward,
                                plan_pass_two)
 from cce.backward.gradient_tiles import RecomputeInputs, gradient_tiles, listed_gradient_tiles
 from cce.backward.scratch import Scratch
-from cce.backward.sparse_tile_matmul import (RankOneUpdate, gradient_times_classifier,
-                                    gradient_times_embeddings)
+from cce.backward.sparse_tile_matmul import gradient_times_classifier, gradient_times_embeddings
 from cce.backward.tile_lists import ListedTiles
 
 __all__ = ["BackwardRequest", "CorrectionInputs", "linear_cross_entropy_backward",
@@ -83,9 +84,8 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
     grid = configs.live_grid
     kept_mass = correction.kept_mass if correction is not None else None
     one_pass, pass_one = plan.one_pass, plan.pass_one
-    # dE's rank-one product (one pass or pass 1, never both).
-    embeddings_update = (RankOneUpdate.for_embeddings(rank_one, c)
-                         if rank_one is not None and plan.grad_e is not None else None)
+    embeddings_update, classifier_update = rank_one_updates(
+        rank_one, e, c, plan.grad_e is not None, plan.grad_c is not None)
     if one_pass is not None:
         table = one_pass.live_tiles
         listed_gradient_tiles(recompute, one_pass.scratch, one_pass.tile_lists,
@@ -119,7 +119,6 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
         if plan.pass_two is not None:
             classifier = plan_pass_two(plan.pass_two, listed)
     if classifier is not None:
-        update = RankOneUpdate.for_classifier(rank_one, e) if rank_one is not None else None
         # Pass 1's tiles survived the filter already: the same recompute needs no test.
         inputs = recompute if classifier.filters else recompute._replace(filter_eps=None)
         spare = None
@@ -133,9 +132,15 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
             if chunk.recomputes:
                 listed_gradient_tiles(inputs, scratch, chunk_lists, chunk.longest_list,
                                       chunk.vocab_blocks, configs)
-            gradient_times_classifier(scratch, chunk_lists, e, vocab_order, plan.grad_c,
-                                      plan.grad_bias, chunk.vocab_blocks, classifier.product,
-                                      rank_one=update, chunk_slots=chunk.recomputes)
+            if classifier.product.by_tma:
+                gradient_times_classifier_tma(scratch, chunk_lists, e, vocab_order, plan.grad_c,
+                                              chunk.vocab_blocks, chunk.recomputes,
+                                              classifier.product)
+            else:
+                gradient_times_classifier(scratch, chunk_lists, e, vocab_order, plan.grad_c,
+                                          plan.grad_bias, chunk.vocab_blocks,
+                                          classifier.product, rank_one=classifier_update,
+                                          chunk_slots=chunk.recomputes)
     return plan.grad_e, plan.grad_c, plan.grad_bias
 
 

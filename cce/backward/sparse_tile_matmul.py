@@ -17,16 +17,8 @@ write float32 partial sums, added up afterwards (dE only; :mod:`cce.backward.par
   ``first_slots[block] + k`` when the scratch holds every block's tiles), the second rows of e.
   The bias gradient (column sums of G) comes along.
 
-With label smoothing, G has a rank-one term ``u w^T`` (:mod:`cce.weighting`) that the stored
-tiles leave out, as it would keep every tile live: a ``RankOneUpdate`` adds its product in the
-epilogue, in float32 before the output is rounded: ``u (w^T C)`` to dE, ``w (u^T E)`` to dC and
-``w sum(u)`` to the bias gradient.
-
-Gradient filtering drops entries of G. With a ``FilterCorrection`` (dE only), the product adds
-them back as an estimate: each row's dropped probability mass (one minus the kept mass, which
-pass 1 sums, :mod:`cce.backward.gradient_tiles`) times the mean classifier row. The dropped entries
-are many small ones, and language models' classifier rows share a direction, so this removes most
-of the filter's dE error (docs/notes/filtering-accuracy.md).
+The products' epilogues add the rank-one term of label smoothing and the filter correction
+(:mod:`cce.backward.epilogue_terms`).
 """
 
 from __future__ import annotations
@@ -37,67 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.backward import classifier_product
-from cce.forward import classifier_sums
-from cce.config import KernelConfig, dot_precision
+from cce.config import KernelConfig
+from cce.backward.epilogue_terms import FilterCorrection, RankOneUpdate
 from cce.backward.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.backward.tile_lists import TileLists, build_tile_lists
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
 from cce.backward.partial_sums import sum_partials
 from cce.backward.scratch import Scratch, ScratchView, segment_offsets
-from cce.backward.weighted_sum import weighted_sum
-from cce.weighting import RankOneTerm
-
-
-class FilterCorrection(NamedTuple):
-    """What the dE product needs to add back what the filter dropped (module docstring)."""
-
-    mean_row: torch.Tensor  # float32 (D,): the mean row of c
-    prob_scale: torch.Tensor  # float32 (N,), as in cce.logit_tile.logit_gradient_tile
-    kept_mass: torch.Tensor  # int64 (N,): fixed point, see cce.backward.gradient_tiles
-
-    @classmethod
-    def of(cls, c: torch.Tensor, prob_scale: torch.Tensor,
-           counted_mass: Optional[torch.Tensor] = None,
-           row_sum: Optional[torch.Tensor] = None) -> "FilterCorrection":
-        """Before pass 1, which adds the kept mass up. ``counted_mass``: float32 (N,), each
-        row's softmax mass in the entries that the tiles add up: off the row's target, and only
-        the shard's when c is one shard of the vocabulary (None: all of it, 1).
-        ``row_sum``: float32 (D,) ``c.sum(0)`` where the forward has it (None: read c here)."""
-        if row_sum is None:
-            # Not torch.sum: on a GPU, its reduction over the rows stages partial sums in
-            # buffers of 120-270 MB at these shapes (H200, measured).
-            row_sum = classifier_sums.classifier_sums(c).row_sum
-        kept_mass = torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device)
-        if counted_mass is not None:
-            # Starting from the mass the tiles do not add up (the target's, the other shards'),
-            # 1 - kept mass is what the filter dropped: exactly, in fixed point, however close
-            # to 1 the target's probability is. (A NaN row's gradient is NaN through its tiles
-            # anyway.)
-            outside = (1 - counted_mass.double().clamp(0, 1)).nan_to_num(0)
-            kept_mass = (outside * KEPT_MASS_ONE.value).long()
-        return cls(row_sum / c.shape[0], prob_scale, kept_mass)
-
-
-class RankOneUpdate(NamedTuple):
-    """``row_factor[row] * column_vector`` added to each output row of a product (and, for dC,
-    ``row_factor * bias_factor`` to the bias gradient): the rank-one term of G (module
-    docstring)."""
-
-    row_factor: Optional[torch.Tensor]  # float32, indexed like the output's rows; None: ones
-    column_vector: torch.Tensor  # float32 (D,)
-    bias_factor: Optional[torch.Tensor]  # float32 scalar (dC only)
-
-    @classmethod
-    def for_embeddings(cls, term: RankOneTerm, c: torch.Tensor) -> "RankOneUpdate":
-        """dE's: ``u (w^T C)`` (u: :meth:`RankOneTerm.closed_form_scale`)."""
-        return cls(term.closed_form_scale(), weighted_sum(c, term.weight), None)
-
-    @classmethod
-    def for_classifier(cls, term: RankOneTerm, e: torch.Tensor) -> "RankOneUpdate":
-        """dC's and the bias gradient's: ``w (u^T E)`` and ``w sum(u)``."""
-        scale = term.closed_form_scale()
-        return cls(term.weight, weighted_sum(e, scale), scale.sum())
 
 
 class ProductTiles(NamedTuple):
@@ -278,11 +216,13 @@ class ProductSettings(NamedTuple):
     the live grid's tiles, the configuration its warps, stages and step depth come from, the
     output columns per program, the programs per output block (``splits``, dE only), whether
     every token, vocabulary and output block is whole (no masks, shallower steps), and whether
-    the dC product is :mod:`cce.backward.classifier_product`'s."""
+    the dC product is :mod:`cce.backward.classifier_product`'s; how tl.dot multiplies
+    (:func:`cce.config.dot_precision`)."""
 
     grid: KernelConfig
     config: KernelConfig
     block_out: int
+    dot_precision: str
     splits: int = 1
     whole_blocks: bool = False
     by_tma: bool = False
@@ -323,12 +263,7 @@ def gradient_times_classifier(scratch: Scratch, tile_lists: TileLists, e: torch.
     columns of the tile grid (the tiles of ``tile_lists``, each in its slot), plus ``rank_one``
     (:meth:`RankOneUpdate.for_classifier`) when given. ``chunk_slots``: the scratch holds the
     chunk's tiles from its slot 0 (pass 2); False: every block's tiles, numbered over all blocks
-    (``tile_lists`` is then a slice of lists built for every block). With ``settings.by_tma``
-    the product is :mod:`cce.backward.classifier_product`'s."""
-    if settings.by_tma:
-        classifier_product.gradient_times_classifier_tma(
-            scratch, tile_lists, e, vocab_order, grad_c, vocab_blocks, chunk_slots, settings)
-        return
+    (``tile_lists`` is then a slice of lists built for every block)."""
     _launch(scratch, tile_lists.lists, tile_lists.counts, tile_lists.first_slots, e,
             vocab_order, grad_c, grad_bias, first_block=vocab_blocks.start,
             chunk_vocab_blocks=len(vocab_blocks), transposed=True, settings=settings,
@@ -371,7 +306,7 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
         TRANSPOSED=transposed, SPLITS=splits, CHUNK_SLOTS=chunk_slots,
         SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
-        BLOCK_OUT=block_out, DOT_PRECISION=dot_precision(operand.dtype),
+        BLOCK_OUT=block_out, DOT_PRECISION=settings.dot_precision,
         STEPS=grid.block_vocab // config.step_depth if settings.whole_blocks else 1,
         WHOLE_BLOCKS=settings.whole_blocks,
         num_warps=config.num_warps, num_stages=config.num_stages,

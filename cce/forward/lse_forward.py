@@ -43,7 +43,7 @@ try:
 except ImportError:  # a Triton without host-side descriptors: rows are gathered instead
     TensorDescriptor = None
 
-from cce.config import (deterministic_head_blocks, dot_precision, forward_vocab_splits,
+from cce.config import (deterministic_head_blocks, forward_vocab_splits,
                         interpreting, kernel_configs, tma_copies_rows)
 from cce.logit_tile import (LOG2_E, finish_logits, holds_padding, logit_operands, logit_tile,
                             tile_product_by_descriptor, vocab_block_entries)
@@ -566,7 +566,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             LeftOut(left_out, left_out_tiles), results,
             LIVE_BLOCK_VOCAB=live_grid.block_vocab, BLOCK_TOKENS=config.block_tokens,
             BLOCK_VOCAB=config.block_vocab, BLOCK_DIM=config.block_dim,
-            DOT_PRECISION=dot_precision(e.dtype),
+            DOT_PRECISION=configs.dot_precision,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     if deterministic:
