@@ -83,9 +83,6 @@ def sparse_tile_matmul_kernel(
     SORTED: tl.constexpr = io.vocab_order is not None
     HAS_BIAS: tl.constexpr = io.grad_bias is not None
     SLOT_MAP: tl.constexpr = tiles.slot_map is not None
-    FILTER_CORRECTION: tl.constexpr = correction.kept_mass is not None
-    RANK_ONE: tl.constexpr = rank_one.column_vector is not None
-    RANK_ONE_ROWS: tl.constexpr = rank_one.row_factor is not None
     # Output blocks vary fastest: the programs in flight walk the same operand rows together.
     num_out_chunks = tl.cdiv(io.dim, BLOCK_OUT)
     out_block = tl.program_id(0) % tiles.num_out_blocks
@@ -172,7 +169,7 @@ def sparse_tile_matmul_kernel(
                 mask=vocab_mask[:, None] & out_mask[None, :], other=0.0)
         acc = tile_dot(operand_a, operand_b, acc, DOT_PRECISION)
 
-    if FILTER_CORRECTION:
+    if correction.kept_mass is not None:
         if split == 0:
             # The filter dropped prob_scale * (1 - kept mass) of each row's gradient (the
             # targets' tiles are never dropped). 1 - kept mass in fixed point: exact.
@@ -184,9 +181,9 @@ def sparse_tile_matmul_kernel(
             acc += dropped[:, None] * mean_row[None, :]
 
     grad_bias = tl.sum(bias_sums, axis=1)  # adds the zero columns: exact
-    if RANK_ONE:
+    if rank_one.column_vector is not None:
         if split == 0:
-            if RANK_ONE_ROWS:
+            if rank_one.row_factor is not None:
                 factor = tl.load(rank_one.row_factor + out_rows, mask=row_mask, other=0.0)
             else:
                 factor = row_mask.to(tl.float32)
