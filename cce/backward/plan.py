@@ -167,6 +167,15 @@ class PassTwoSizing(NamedTuple):
     filters: bool
 
 
+class Gradients(NamedTuple):
+    """What a backward writes, allocated by its plan: dE, dC and dbias, each None when not
+    needed."""
+
+    grad_e: Optional[torch.Tensor]
+    grad_c: Optional[torch.Tensor]
+    grad_bias: Optional[torch.Tensor]
+
+
 class BackwardPlan(NamedTuple):
     """A backward call's plan (module docstring). ``classifier``: dC's plan where it is known
     before the run (the one pass, or dC without dE); ``pass_two``: what plans it after pass 1."""
@@ -174,9 +183,7 @@ class BackwardPlan(NamedTuple):
     configs: KernelConfigs
     host_may_sync: bool
     live_tiles: Optional[torch.Tensor]
-    grad_e: Optional[torch.Tensor]
-    grad_c: Optional[torch.Tensor]
-    grad_bias: Optional[torch.Tensor]
+    gradients: Gradients
     correction: Optional[FilterCorrection]
     one_pass: Optional[OnePassPlan]
     pass_one: Optional[PassOnePlan]
@@ -248,8 +255,9 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest) -> Backw
             classifier = _pass_two_plan(pass_two, ListedTiles.of(problem.live_table(),
                                                                  problem.host_may_sync))
             pass_two = None
-    plan = BackwardPlan(problem.configs, problem.host_may_sync, request.live_tiles, grad_e,
-                        grad_c, grad_bias, correction, one_pass, pass_one, classifier, pass_two)
+    plan = BackwardPlan(problem.configs, problem.host_may_sync, request.live_tiles,
+                        Gradients(grad_e, grad_c, grad_bias), correction, one_pass, pass_one,
+                        classifier, pass_two)
     _SEAM.record(plan)
     return plan
 

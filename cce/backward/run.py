@@ -51,8 +51,8 @@ import torch
 
 from cce.backward.classifier_product import gradient_times_classifier_tma
 from cce.backward.epilogue_terms import rank_one_updates
-from cce.backward.plan import (BackwardPlan, BackwardRequest, CorrectionInputs, plan_backward,
-                               plan_pass_two)
+from cce.backward.plan import (BackwardPlan, BackwardRequest, CorrectionInputs, Gradients,
+                               plan_backward, plan_pass_two)
 from cce.backward.gradient_tiles import RecomputeInputs, gradient_tiles, listed_gradient_tiles
 from cce.backward.scratch import Scratch
 from cce.backward.sparse_tile_matmul import gradient_times_classifier, gradient_times_embeddings
@@ -60,9 +60,6 @@ from cce.backward.tile_lists import ListedTiles
 
 __all__ = ["BackwardRequest", "CorrectionInputs", "linear_cross_entropy_backward",
            "run_backward"]
-
-# (dE, dC, dbias), each None when not needed.
-Gradients = tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]
 
 
 def linear_cross_entropy_backward(recompute: RecomputeInputs,
@@ -81,17 +78,18 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
     e, c, vocab_order, rank_one = (recompute.e, recompute.c, recompute.vocab_order,
                                    recompute.rank_one)
     configs, correction, classifier = plan.configs, plan.correction, plan.classifier
+    grad_e, grad_c, grad_bias = plan.gradients
     grid = configs.live_grid
     kept_mass = correction.kept_mass if correction is not None else None
     one_pass, pass_one = plan.one_pass, plan.pass_one
     embeddings_update, classifier_update = rank_one_updates(
-        rank_one, e, c, plan.grad_e is not None, plan.grad_c is not None)
+        rank_one, e, c, grad_e is not None, grad_c is not None)
     if one_pass is not None:
         table = one_pass.live_tiles
         listed_gradient_tiles(recompute, one_pass.scratch, one_pass.tile_lists,
                               one_pass.longest_list, range(table.shape[1]), configs,
                               kept_mass=kept_mass)
-        gradient_times_embeddings(one_pass.scratch, table, c, vocab_order, plan.grad_e,
+        gradient_times_embeddings(one_pass.scratch, table, c, vocab_order, grad_e,
                                   range(table.shape[0]), one_pass.product,
                                   filter_correction=correction, rank_one=embeddings_update,
                                   slot_map=one_pass.slot_map)
@@ -99,7 +97,7 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
         flags = pass_one.flags
         scratch = (Scratch.dedicated(pass_one.buffer_segments, grid.block_vocab, e.dtype,
                                      e.device) if pass_one.buffer_segments
-                   else Scratch.in_all_rows(plan.grad_c, grid.block_vocab))
+                   else Scratch.in_all_rows(grad_c, grid.block_vocab))
         room = None
         for chunk in pass_one.chunks:
             room = _room_after(scratch, chunk.used_segments)
@@ -111,7 +109,7 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
                 # stores. Listed before the last product, which the GPU runs while the host
                 # reads the lists' lengths and plans pass 2.
                 listed = ListedTiles.of(flags, plan.host_may_sync)
-            gradient_times_embeddings(scratch, flags, c, vocab_order, plan.grad_e,
+            gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e,
                                       chunk.token_blocks, chunk.product, room=room,
                                       filter_correction=correction, rank_one=embeddings_update,
                                       slot_map=pass_one.slot_map, first_slot=chunk.first_slot)
@@ -133,15 +131,15 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
                 listed_gradient_tiles(inputs, scratch, chunk_lists, chunk.longest_list,
                                       chunk.vocab_blocks, configs)
             if classifier.product.by_tma:
-                gradient_times_classifier_tma(scratch, chunk_lists, e, vocab_order, plan.grad_c,
+                gradient_times_classifier_tma(scratch, chunk_lists, e, vocab_order, grad_c,
                                               chunk.vocab_blocks, chunk.recomputes,
                                               classifier.product)
             else:
-                gradient_times_classifier(scratch, chunk_lists, e, vocab_order, plan.grad_c,
-                                          plan.grad_bias, chunk.vocab_blocks,
+                gradient_times_classifier(scratch, chunk_lists, e, vocab_order, grad_c,
+                                          grad_bias, chunk.vocab_blocks,
                                           classifier.product, rank_one=classifier_update,
                                           chunk_slots=chunk.recomputes)
-    return plan.grad_e, plan.grad_c, plan.grad_bias
+    return plan.gradients
 
 
 def _room_after(scratch: Scratch, used_segments: int) -> Optional[torch.Tensor]:
