@@ -15,8 +15,9 @@ Methods: ``cce`` and its ablations, the ``torch``, ``torch_compile`` and ``chunk
 (the variants of :mod:`experiments.compare_impls`), ``cce`` with label smoothing, with
 ``z_loss``, with ``temperature`` and with ``return_entropy`` (an entropy bonus,
 ``loss - 0.01 * entropy.mean()``), each against a float64 reference of its own loss, and, when
-installed, Apple's ``cut_cross_entropy`` and Liger's fused linear cross-entropy, Triton and
-CuTe-DSL (Hopper only; the shapes it takes, :func:`liger_cutedsl_unsupported`). The N sweep
+installed, Apple's ``cut_cross_entropy``, Liger's fused linear cross-entropy, Triton and
+CuTe-DSL (Hopper only; the shapes it takes, :func:`liger_cutedsl_unsupported`), and quack's
+chunked linear cross-entropy in its fused Hopper pipeline (:func:`quack_unsupported`). The N sweep
 and the frozen classifier measure only ``cce`` and ``torch_compile`` unless ``--methods``
 names others (:attr:`Shape.methods`). Results: ``bench.json``, ``bench.md`` (with the
 targets, MET or MISSED, and the cost of the options against plain ``cce``: "Cost of options")
@@ -245,6 +246,29 @@ def liger_cutedsl_unsupported(e: torch.Tensor, c: torch.Tensor, targets: torch.T
     return None
 
 
+# quack's chunk of tokens per step: its default, which its Hopper pipeline needs a multiple of 128.
+QUACK_CHUNK_TOKENS = 4096
+
+
+def _quack_loss() -> Loss:
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+    # Its argument order is cce's; mean over targets != -100. The fused pipeline only: quack's
+    # own eligibility test decides which inputs it takes (quack_unsupported).
+    return lambda e, c, targets: chunked_linear_cross_entropy(
+        e, c, targets, chunk_size=QUACK_CHUNK_TOKENS, use_scaled_exp=True)
+
+
+def quack_unsupported(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
+                      ) -> Optional[str]:
+    """Why quack's fused ("scaled-exp") Hopper pipeline refuses these inputs, or None, by its
+    own test: a compute capability 9.0 GPU, bfloat16, V a multiple of 128 with a tile width
+    that divides it."""
+    from quack.linear_cross_entropy import scaled_exp_lce_supported
+    if scaled_exp_lce_supported(e, c, QUACK_CHUNK_TOKENS, "mean"):
+        return None
+    return "outside quack's Hopper pipeline (sm90, bf16, V % 128, a tile width dividing V)"
+
+
 METHODS: dict[str, Method] = {method.name: method for method in (
     # cce_torch (the CPU default) computes float32 logits chunk by chunk: not a GPU method.
     *(Method(v.name, _cce_variant_loss(v.impl, v.options), cce_kernels=v.impl == "cce")
@@ -270,6 +294,9 @@ METHODS: dict[str, Method] = {method.name: method for method in (
            unsupported=liger_cutedsl_unsupported,
            description="Liger's CuTe-DSL Hopper kernel (liger_fused_linear_cross_entropy_sm90): "
                        "writes every bf16 logit, dE in the forward"),
+    Method("quack_sm90", _quack_loss, needs_cuda=True, unsupported=quack_unsupported,
+           description="quack's chunked_linear_cross_entropy, its fused Hopper (scaled-exp) "
+                       "pipeline, 4096 tokens per chunk"),
 )}
 KERNEL_METHODS = tuple(name for name, method in METHODS.items() if method.cce_kernels)
 # The issue's limits on the cost of an option: its row's fwd+bwd time over plain cce's on the
