@@ -175,7 +175,13 @@ def _triton_language_interpreted() -> bool:
 
 
 def kernel_configs(dtype: torch.dtype) -> KernelConfigs:
-    """The kernels' settings for inputs of ``dtype``."""
+    """The kernels' settings for inputs of ``dtype`` (those of the kernels' dtypes built once,
+    at import: this is asked several times per loss call)."""
+    configs = _CONFIGS_BY_DTYPE.get(dtype)
+    return configs if configs is not None else _configs_for(dtype)
+
+
+def _configs_for(dtype: torch.dtype) -> KernelConfigs:
     if interpreting():
         configs = _INTERPRETER
     else:
@@ -271,3 +277,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.bfloat16 and interpreting():
         return "upcast"
     return "tf32"  # ignored by tl.dot for 16-bit inputs
+
+
+_CONFIGS_BY_DTYPE = {dtype: _configs_for(dtype)
+                     for dtype in (torch.float32, torch.bfloat16, torch.float16)}
