@@ -110,6 +110,20 @@ def confident_inputs(gen: torch.Generator, device: str, dtype: torch.dtype, num_
     return e.to(dtype), c.to(dtype), targets
 
 
+def backward_paths_inputs(gen: torch.Generator, device: str = "cuda"):
+    """bf16 ``(e, c, bias, weight, targets)`` at N 3001, V 50257, D 512, where the GPU backward
+    takes two passes, stores pass 2's tiles in dC's free rows and ends in the spare buffer: a
+    bias, float32 class weights, random targets with every 7th ignored."""
+    n, v, d = 3001, 50257, 512
+    e = (torch.randn(n, d, generator=gen) * 2).to(device, torch.bfloat16)
+    c = (torch.randn(v, d, generator=gen) * 0.05).to(device, torch.bfloat16)
+    bias = torch.randn(v, generator=gen).to(device, torch.bfloat16)
+    weight = torch.rand(v, generator=gen).to(device)
+    targets = torch.randint(0, v, (n,), generator=gen).to(device)
+    targets[::7] = -100
+    return e, c, bias, weight, targets
+
+
 def make_grad_output(gen: torch.Generator, inputs: Inputs, reduction: str) -> torch.Tensor:
     """A random upstream gradient, so that the tests also check it is applied (not assumed 1)."""
     if reduction == "none":

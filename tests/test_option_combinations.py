@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import cce
+from tests.helpers import backward_paths_inputs
 from tests.reference import reference, relative_error
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-N, V, D = 3001, 50257, 512
 GRADIENT_TOLERANCE = 1e-2
 LOSS_TOLERANCE = 1e-3
 
@@ -50,17 +50,14 @@ COMBINATIONS = [
                          ids=[case[0] for case in COMBINATIONS])
 def test_combination_matches_float64(options: dict, gen: torch.Generator) -> None:
     options = dict(options)
-    e = (torch.randn(N, D, generator=gen) * 2).to("cuda", torch.bfloat16)
-    c = (torch.randn(V, D, generator=gen) * 0.05).to("cuda", torch.bfloat16)
-    bias = (torch.randn(V, generator=gen).to("cuda", torch.bfloat16)
-            if options.pop("bias", False) else None)
+    e, c, bias, weight, targets = backward_paths_inputs(gen)
+    bias = bias if options.pop("bias", False) else None
     if options.pop("weight", False):
-        options["weight"] = torch.rand(V, generator=gen).to("cuda")
-    targets = torch.randint(0, V, (N,), generator=gen).to("cuda")
-    targets[::7] = -100
-    grad_loss = torch.rand(N, generator=gen).to("cuda")
+        options["weight"] = weight
+    n = targets.shape[0]
+    grad_loss = torch.rand(n, generator=gen).to("cuda")
     entropy = options.get("return_entropy", False)
-    grad_entropy = torch.randn(N, generator=gen).to("cuda") * 0.01 if entropy else None
+    grad_entropy = torch.randn(n, generator=gen).to("cuda") * 0.01 if entropy else None
 
     leaves = [x.clone().requires_grad_() for x in (e, c) + ((bias,) if bias is not None else ())]
     out = cce.linear_cross_entropy(leaves[0], leaves[1], targets,

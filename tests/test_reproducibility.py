@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cce
+from tests.helpers import backward_paths_inputs
 from tests.reference import relative_error
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -86,19 +87,6 @@ def test_deterministic_is_bitwise_at_a_bench_shape(gen, keep_tiles):
             assert torch.equal(value, expected), what
 
 
-def bias_smoothing_inputs(gen: torch.Generator):
-    """Random rows at a shape where pass 2 stores tiles in dC's rows of later positions: a
-    bias, class weights and targets, some ignored."""
-    n, v, d = 3001, 50257, 512
-    e = (torch.randn(n, d, generator=gen) * 2).to("cuda", torch.bfloat16)
-    c = (torch.randn(v, d, generator=gen) * 0.05).to("cuda", torch.bfloat16)
-    bias = torch.randn(v, generator=gen).to("cuda", torch.bfloat16)
-    weight = torch.rand(v, generator=gen).to("cuda")
-    targets = torch.randint(0, v, (n,), generator=gen).to("cuda")
-    targets[::7] = -100
-    return e, c, bias, weight, targets
-
-
 def bias_smoothing_run(e, c, bias, weight, targets, **options):
     """Loss, lse, dE, dC and dbias of ``loss.sum() + 0.01 lse.sum()`` with label smoothing."""
     leaves = [x.clone().requires_grad_() for x in (e, c, bias)]
@@ -111,7 +99,7 @@ def bias_smoothing_run(e, c, bias, weight, targets, **options):
 
 @needs_cuda
 def test_deterministic_is_bitwise_with_class_weights_and_smoothing(gen):
-    inputs = bias_smoothing_inputs(gen)
+    inputs = backward_paths_inputs(gen)
     first = bias_smoothing_run(*inputs, deterministic=True)
     second = bias_smoothing_run(*inputs, deterministic=True)
     for what, value, expected in zip(("loss", "lse", "dE", "dC", "dbias"), second, first):
@@ -124,7 +112,7 @@ def test_deterministic_is_bitwise_with_class_weights_and_smoothing(gen):
 def test_bias_and_smoothing_gradients_match_float64(gen, with_weight: bool,
                                                     deterministic: bool):
     """The dC product with a bias gradient and a rank-one term, its tiles in dC's own rows."""
-    e, c, bias, weight, targets = bias_smoothing_inputs(gen)
+    e, c, bias, weight, targets = backward_paths_inputs(gen)
     weight = weight if with_weight else None
     got = bias_smoothing_run(e, c, bias, weight, targets, deterministic=deterministic)
     leaves = [x.double().requires_grad_() for x in (e, c, bias)]
