@@ -166,6 +166,19 @@ def test_liger_cutedsl_row_is_skipped_with_the_reason_it_refuses(n, v, dtype, re
     assert liger_cutedsl_unsupported(e, c, torch.zeros(n, dtype=torch.long)) == reason
 
 
+def test_a_real_data_shape_on_synthetic_inputs_is_not_named_after_the_data() -> None:
+    """Without the real model the Gemma 3 row runs on synthetic inputs: its label says the
+    model's shape, not Alpaca."""
+    from experiments.bench import SHAPES, shape_description
+
+    shape = SHAPES["gemma3"]
+    assert shape_description(shape, "real: Gemma 3 270M") == shape.description
+    assert shape_description(shape, "synthetic LM-like: real model not "
+                                           "importable") == "Gemma 3 270M shape"
+    lm_like = SHAPES["gemma2_2b_removed"]
+    assert shape_description(lm_like, "synthetic LM-like") == lm_like.description
+
+
 def test_sparsity_statistics_match_brute_force() -> None:
     from cce.forward.vocab_order import vocab_order
     from experiments.synthetic import lm_like_inputs, sparsity_statistics
