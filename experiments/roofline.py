@@ -61,7 +61,6 @@ STEPS = (
     (cce.backward.run, "gradient_times_embeddings", "product dE = G C", "dE"),
     (cce.backward.run, "listed_gradient_tiles", "recompute by lists (pass 2 or one pass)",
     "listed"), (cce.backward.run, "gradient_times_classifier", "product dC = G^T E", "dC"),
-    (cce.backward.run, "gradient_times_classifier_tma", "product dC = G^T E", "dC"),
 )
 
 

@@ -35,11 +35,9 @@ import torch
 import triton
 
 from cce.config import KernelConfig, interpreting, tma_copies_rows
-from cce.backward.tile_lists import TileLists
-from cce.backward.scratch import Scratch
 
 if TYPE_CHECKING:
-    from cce.backward.sparse_tile_matmul import ProductSettings
+    from cce.backward.sparse_tile_matmul import ProductIO, ProductSettings, ProductTiles
 
 try:
     from triton.experimental import gluon
@@ -166,24 +164,27 @@ if gluon is not None:
 
     @gluon.jit
     def classifier_product_kernel(
-        e_desc, scratch_ptr, pages_ptr, lists_ptr, counts_ptr, first_slots_ptr, vocab_order_ptr,
-        out_ptr, num_tokens, vocab_size, dim, page_stride, first_block, num_out_blocks,
-        list_stride,
-        SORTED: gl.constexpr, CHUNK_SLOTS: gl.constexpr, IN_ORDER: gl.constexpr,
-        SEGMENTS_PER_PAGE: gl.constexpr, BLOCK: gl.constexpr, BLOCK_OUT: gl.constexpr,
-        DEPTH: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-        PRODUCER_REGISTERS: gl.constexpr,
+        e_desc, tiles, io,
+        CHUNK_SLOTS: gl.constexpr, SEGMENTS_PER_PAGE: gl.constexpr, BLOCK: gl.constexpr,
+        BLOCK_OUT: gl.constexpr, DEPTH: gl.constexpr, STAGES: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
     ):
+        # ``tiles`` and ``io`` as the Triton product takes them (its ProductTiles, ProductIO);
+        # the rows of e (io.operand) come through e_desc. Which paths compile follows from
+        # which tensors are given.
+        SORTED: gl.constexpr = io.vocab_order is not None
+        IN_ORDER: gl.constexpr = tiles.scratch.pages is None
+        scratch_ptr = tiles.scratch.buffer
         dtype: gl.constexpr = scratch_ptr.dtype.element_ty
         # Output blocks vary fastest: the programs in flight read the same rows of e.
-        out_block = gl.program_id(0) % num_out_blocks
-        out_chunk = gl.program_id(0) // num_out_blocks
-        n_steps = gl.load(counts_ptr + out_block) * (BLOCK // DEPTH)
+        out_block = gl.program_id(0) % tiles.num_out_blocks
+        out_chunk = gl.program_id(0) // tiles.num_out_blocks
+        n_steps = gl.load(tiles.counts + out_block) * (BLOCK // DEPTH)
         # The k-th listed tile is in slot first_slot + k (the chunk's lists are a slice).
-        first_slot = gl.load(first_slots_ptr + out_block)
+        first_slot = gl.load(tiles.first_slots + out_block)
         if CHUNK_SLOTS:
-            first_slot -= gl.load(first_slots_ptr)
-        list_base = lists_ptr + out_block * list_stride
+            first_slot -= gl.load(tiles.first_slots)
+        list_base = tiles.lists + out_block * tiles.list_stride
 
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DEPTH, BLOCK], dtype)
         a_smem = gl.allocate_shared_memory(dtype, [STAGES, DEPTH, BLOCK], a_layout)
@@ -198,46 +199,43 @@ if gluon is not None:
         acc, = gl.warp_specialize(
             [(_multiply_steps, (a_smem, b_smem, ready, empty, n_steps, BLOCK, BLOCK_OUT,
                                 STAGES)),
-             (_copy_steps, (a_smem, b_smem, ready, empty, e_desc, scratch_ptr, pages_ptr,
-                            list_base, first_slot, n_steps, out_chunk, num_tokens, page_stride,
-                            SEGMENTS_PER_PAGE, IN_ORDER, BLOCK, BLOCK_OUT, DEPTH, STAGES))],
+             (_copy_steps, (a_smem, b_smem, ready, empty, e_desc, scratch_ptr,
+                            tiles.scratch.pages, list_base, first_slot, n_steps, out_chunk,
+                            io.num_tokens, tiles.scratch.page_stride, SEGMENTS_PER_PAGE,
+                            IN_ORDER, BLOCK, BLOCK_OUT, DEPTH, STAGES))],
             [PRODUCER_WARPS], [PRODUCER_REGISTERS])
 
         mma_layout: gl.constexpr = _accumulator_layout(gl.num_warps(), BLOCK_OUT)
-        positions = ((first_block + out_block) * BLOCK
+        positions = ((tiles.first_block + out_block) * BLOCK
                      + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma_layout)))
-        row_mask = positions < vocab_size
+        row_mask = positions < io.vocab_size
         if SORTED:
-            vocab = gl.load(vocab_order_ptr + positions, mask=row_mask, other=0)
+            vocab = gl.load(io.vocab_order + positions, mask=row_mask, other=0)
         else:
             vocab = positions
         out_dims = out_chunk * BLOCK_OUT + gl.arange(0, BLOCK_OUT,
                                                      layout=gl.SliceLayout(0, mma_layout))
-        gl.store(out_ptr + vocab.to(gl.int64)[:, None] * dim + out_dims[None, :],
-                 acc.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & (out_dims < dim)[None, :])
+        gl.store(io.out + vocab.to(gl.int64)[:, None] * io.dim + out_dims[None, :],
+                 acc.to(io.out.dtype.element_ty),
+                 mask=row_mask[:, None] & (out_dims < io.dim)[None, :])
 
 
-def gradient_times_classifier_tma(scratch: Scratch, tile_lists: TileLists, e: torch.Tensor,
-                                  vocab_order: Optional[torch.Tensor], grad_c: torch.Tensor,
-                                  vocab_blocks: range, chunk_slots: bool,
-                                  settings: "ProductSettings") -> None:
-    """As :func:`cce.backward.sparse_tile_matmul.gradient_times_classifier` without a bias gradient
-    or rank-one term; the plan checked :func:`usable`."""
+def launch(tiles: "ProductTiles", io: "ProductIO", settings: "ProductSettings",
+           segments_per_page: int, chunk_slots: bool) -> None:
+    """The dC product of :func:`cce.backward.sparse_tile_matmul.gradient_times_classifier`'s
+    launch groups (``io.operand`` is e; no bias gradient or rank-one term), where the plan chose
+    this kernel (``settings.by_tma``, after :func:`usable`)."""
     config, block, block_out = settings.config, settings.grid.block_tokens, settings.block_out
+    e = io.operand
     layout = gl.NVMMASharedLayout.get_default_for(
         [config.step_depth, block_out], gl.bfloat16 if e.dtype == torch.bfloat16 else gl.float16)
     e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [config.step_depth, block_out],
                               layout)
-    lists, counts = tile_lists.lists, tile_lists.counts
-    num_out_blocks = lists.shape[0]
-    programs = num_out_blocks * triton.cdiv(e.shape[1], block_out)
+    programs = tiles.num_out_blocks * triton.cdiv(io.dim, block_out)
     classifier_product_kernel[(programs,)](
-        e_desc, scratch.buffer, scratch.pages, lists, counts, tile_lists.first_slots,
-        vocab_order, grad_c, e.shape[0], grad_c.shape[0], e.shape[1], scratch.page_stride,
-        vocab_blocks.start, num_out_blocks, lists.stride(0),
-        SORTED=vocab_order is not None, CHUNK_SLOTS=chunk_slots, IN_ORDER=scratch.in_order,
-        SEGMENTS_PER_PAGE=scratch.segments_per_page, BLOCK=block, BLOCK_OUT=block_out,
-        DEPTH=config.step_depth, STAGES=config.num_stages, PRODUCER_WARPS=_PRODUCER_WARPS,
-        PRODUCER_REGISTERS=_PRODUCER_REGISTERS, num_warps=config.num_warps,
+        e_desc, tiles, io,
+        CHUNK_SLOTS=chunk_slots, SEGMENTS_PER_PAGE=segments_per_page, BLOCK=block,
+        BLOCK_OUT=block_out, DEPTH=config.step_depth, STAGES=config.num_stages,
+        PRODUCER_WARPS=_PRODUCER_WARPS, PRODUCER_REGISTERS=_PRODUCER_REGISTERS,
+        num_warps=config.num_warps,
     )

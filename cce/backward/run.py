@@ -49,7 +49,6 @@ from typing import Optional
 
 import torch
 
-from cce.backward.classifier_product import gradient_times_classifier_tma
 from cce.backward.epilogue_terms import rank_one_updates
 from cce.backward.plan import (BackwardPlan, BackwardRequest, CorrectionInputs, Gradients,
                                plan_backward, plan_pass_two)
@@ -130,15 +129,9 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
             if chunk.recomputes:
                 listed_gradient_tiles(inputs, scratch, chunk_lists, chunk.longest_list,
                                       chunk.vocab_blocks, configs)
-            if classifier.product.by_tma:
-                gradient_times_classifier_tma(scratch, chunk_lists, e, vocab_order, grad_c,
-                                              chunk.vocab_blocks, chunk.recomputes,
-                                              classifier.product)
-            else:
-                gradient_times_classifier(scratch, chunk_lists, e, vocab_order, grad_c,
-                                          grad_bias, chunk.vocab_blocks,
-                                          classifier.product, rank_one=classifier_update,
-                                          chunk_slots=chunk.recomputes)
+            gradient_times_classifier(scratch, chunk_lists, e, vocab_order, grad_c, grad_bias,
+                                      chunk.vocab_blocks, classifier.product,
+                                      rank_one=classifier_update, chunk_slots=chunk.recomputes)
     return plan.gradients
 
 

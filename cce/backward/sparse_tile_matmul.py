@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from cce.config import KernelConfig
+from cce.backward import classifier_product
 from cce.backward.epilogue_terms import FilterCorrection, RankOneUpdate
 from cce.backward.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.backward.tile_lists import TileLists, build_tile_lists
@@ -297,6 +298,9 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
     io = ProductIO(operand=operand, operand_strides=operand.stride(), vocab_order=vocab_order,
                    out=out, partial=partial, grad_bias=grad_bias, num_tokens=num_tokens,
                    vocab_size=vocab_size, dim=dim)
+    if settings.by_tma:
+        classifier_product.launch(tiles, io, settings, scratch.segments_per_page, chunk_slots)
+        return
     sparse_tile_matmul_kernel[(programs * splits,)](
         tiles, io, filter_correction or FilterCorrection(None, None, None),
         rank_one or RankOneUpdate(None, None, None),
