@@ -125,6 +125,18 @@ def test_bias_and_smoothing_gradients_match_float64(gen, with_weight: bool,
         assert relative_error(value, expected.grad) < 5e-3, what
 
 
+def replays_on_new_inputs(graph, buffers, shape):
+    """Replays ``graph`` on two new bf16 ``lm_like`` inputs of ``shape`` (N, V, D), each copied
+    into the captured ``buffers`` (e, c, targets) first; yields the inputs after each replay."""
+    for seed in range(2):
+        inputs = lm_like(*shape, torch.bfloat16, "cuda", torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            for buffer, value in zip(buffers, inputs):
+                buffer.copy_(value)
+        graph.replay()
+        yield inputs
+
+
 @needs_cuda
 @pytest.mark.parametrize("shape", [(2048, 32064, 3072), (4096, 128256, 1024)])
 def test_capture_and_replay_match_eager(gen, shape):
@@ -141,14 +153,7 @@ def test_capture_and_replay_match_eager(gen, shape):
     with torch.cuda.graph(graph):
         loss = cce.linear_cross_entropy(e, c, targets, deterministic=True)
         loss.backward()
-    for seed in range(2):  # new inputs copied into the captured buffers
-        new_e, new_c, new_targets = lm_like(n, v, d, torch.bfloat16, "cuda",
-                                            torch.Generator().manual_seed(seed))
-        with torch.no_grad():
-            e.copy_(new_e)
-            c.copy_(new_c)
-            targets.copy_(new_targets)
-        graph.replay()
+    for new_e, new_c, new_targets in replays_on_new_inputs(graph, (e, c, targets), shape):
         expected = loss_and_grads(new_e, new_c, new_targets, lse_weight=0.0,
                                   deterministic=True)
         torch.cuda.synchronize()
@@ -191,14 +196,8 @@ def test_capture_and_replay_with_entropy_and_argmax_match_eager(gen):
         loss, lse, entropy, argmax = cce.linear_cross_entropy(e, c, targets, deterministic=True,
                                                               **ALL_OUTPUTS)
         (loss + 1e-3 * lse.sum() + (entropy * entropy_weight).sum()).backward()
-    for seed in range(2):  # new inputs copied into the captured buffers
-        new_e, new_c, new_targets = lm_like(2048, 32064, 1024, torch.bfloat16, "cuda",
-                                            torch.Generator().manual_seed(seed))
-        with torch.no_grad():
-            e.copy_(new_e)
-            c.copy_(new_c)
-            targets.copy_(new_targets)
-        graph.replay()
+    for new_e, new_c, new_targets in replays_on_new_inputs(graph, (e, c, targets),
+                                                           (2048, 32064, 1024)):
         expected = all_outputs_and_grads(new_e, new_c, new_targets, entropy_weight,
                                          deterministic=True)
         torch.cuda.synchronize()
