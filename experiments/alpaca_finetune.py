@@ -176,8 +176,12 @@ class RunResult:
 def trainable_examples(tokenizer: Any, records: list[dict], max_length: int) -> list[dict]:
     """Tokenized examples with prompt labels -100, less those whose response was truncated
     away: a batch of them alone would have no token to average the loss over."""
-    examples = tokenize_examples(tokenizer, records, max_length)
-    return [example for example in examples if bool((example["labels"] != IGNORE_INDEX).any())]
+    examples = [example for example in tokenize_examples(tokenizer, records, max_length)
+                if bool((example["labels"] != IGNORE_INDEX).any())]
+    if not examples:
+        raise ValueError(f"--data: none of the {len(records)} examples keeps a response token "
+                         f"within {max_length} tokens: nothing to train on")
+    return examples
 
 
 def collate(examples: Sequence[dict], pad_id: int, pad_multiple: int) -> dict[str, torch.Tensor]:

@@ -216,6 +216,17 @@ def test_bad_arguments_raise_before_anything_is_loaded(arguments: dict, message:
     assert not any(tmp_path.iterdir())
 
 
+def test_data_with_nothing_to_train_on_is_refused_by_name(tmp_path: Path) -> None:
+    """Examples whose prompt alone fills the tokens a setup keeps train nothing: a clear error
+    naming --data, not a division by zero."""
+    from experiments import alpaca_finetune
+
+    data = tmp_path / "long_prompts.json"
+    data.write_text(json.dumps([{"instruction": "x" * 400, "input": "", "output": "y"}]))
+    with pytest.raises(ValueError, match="--data: none of the 1 examples keeps a response"):
+        alpaca_finetune.run(quick=True, data_path=data, out_dir=tmp_path / "out")
+
+
 def test_command_line_rejects_an_unknown_implementation() -> None:
     from experiments.alpaca_finetune import main
 
