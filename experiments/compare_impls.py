@@ -8,13 +8,15 @@ computed from the same (already rounded) inputs.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 import cce
+from experiments import harness
 from experiments.harness import (IGNORE_INDEX, ON_GPU, WrittenResults, make_inputs,
                                  float64_reference, measure_loss, progress, write_results)
 
@@ -89,3 +91,11 @@ def _measure(variant: Variant, e: torch.Tensor, c: torch.Tensor, targets: torch.
 
     return {"variant": variant.name, "impl": variant.impl,
             **measure_loss(loss_fn, e, c, targets, reference)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return harness.main(NAME, run, __doc__.split("\n\n")[0], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

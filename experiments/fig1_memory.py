@@ -44,10 +44,12 @@ layer's activations during backward, the logits' gradient and bf16 copy of a rea
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from experiments import harness
 from experiments.harness import WrittenResults, write_results
 from experiments.model_configs import MODELS, ModelConfig
 
@@ -307,3 +309,11 @@ def _shares(models: dict[str, Breakdown], batches: list[int], cce: bool) -> list
     activations = [100 * a * batch / BUDGET_BYTES for (a, _), batch in zip(per_token, batches)]
     log_probs = [100 * p * batch / BUDGET_BYTES for (_, p), batch in zip(per_token, batches)]
     return [weights, activations, log_probs]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return harness.main(NAME, run, __doc__.split("\n\n")[0], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

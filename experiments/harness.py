@@ -169,6 +169,25 @@ def run_experiment(name: str, out_dir: Path, run: Callable[[], WrittenResults]
     return outcome, [f"{name}: {error}" for error in errors]
 
 
+def main(name: str, run: Callable[..., WrittenResults], description: str,
+         argv: Optional[list[str]] = None,
+         options: Optional[Callable[[argparse.ArgumentParser],
+                                    Callable[[argparse.Namespace], dict[str, Any]]]] = None
+         ) -> int:
+    """``python -m experiments.<name> [--quick] [--out DIR]``: one experiment's command line.
+    ``options``, given the parser, adds the experiment's own arguments and returns what turns
+    the parsed arguments into ``run``'s keyword arguments."""
+    parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}",
+                                     description=description)
+    add_run_arguments(parser, f"{name}.json, {name}.md and {name}.png")
+    keywords = options(parser) if options is not None else lambda args: {}
+    args = parser.parse_args(argv)
+    quick, out_dir = run_mode(args)
+    outcome, errors = run_experiment(name, out_dir,
+                                     lambda: run(quick, out_dir, **keywords(args)))
+    return finish([outcome], errors, out_dir)
+
+
 def summary(outcomes: list[Outcome]) -> str:
     """One line per experiment: name, seconds, status and the names of the files it wrote."""
     width = max(len(outcome.name) for outcome in outcomes)

@@ -28,9 +28,9 @@ from typing import Any, Callable, Optional, Sequence
 from experiments.bench import (DTYPE, KERNEL_METHODS, MIB, Shape, add_repeats_argument,
                                describe_timing, measure_shape, timing)
 from experiments.alpaca_data import add_data_argument
-from experiments.harness import (ON_GPU, WrittenResults, add_run_arguments, add_sections,
-                                 device_label, environment, finish, log, markdown_table,
-                                 progress, run_experiment, run_mode, shown_method,
+from experiments import harness
+from experiments.harness import (ON_GPU, WrittenResults, add_sections, device_label,
+                                 environment, log, markdown_table, progress, shown_method,
                                  write_results)
 from experiments.paper_numbers import PAPER_SETUP, PAPER_TABLES, PaperRow
 
@@ -280,15 +280,12 @@ def main(name: str, run: Callable[..., WrittenResults], description: str,
 
     ``real_data``: whether the table has a real-data block (and so a ``--data`` option).
     """
-    parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}",
-                                     description=description)
-    add_run_arguments(parser, f"{name}.json, {name}.md and {name}.png")
-    if real_data:
-        add_data_argument(parser)
-    add_repeats_argument(parser)
-    args = parser.parse_args(argv)
-    quick, out_dir = run_mode(args)
-    options = {"data_path": args.data} if real_data else {}
-    outcome, errors = run_experiment(name, out_dir, lambda: run(
-        quick, out_dir, repeats=args.repeats, **options))
-    return finish([outcome], errors, out_dir)
+    def options(parser: argparse.ArgumentParser
+                ) -> Callable[[argparse.Namespace], dict[str, Any]]:
+        if real_data:
+            add_data_argument(parser)
+        add_repeats_argument(parser)
+        return lambda args: {"repeats": args.repeats,
+                             **({"data_path": args.data} if real_data else {})}
+
+    return harness.main(name, run, description, argv, options)

@@ -97,6 +97,31 @@ def test_main_rejects_an_unknown_experiment() -> None:
     assert exit_info.value.code == 2
 
 
+# The registry only: importing the experiments package imports torch, not triton.
+@pytest.mark.parametrize("name", list(__import__("experiments").EXPERIMENTS))
+def test_every_experiment_has_a_command_line_of_its_own(
+        name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m experiments.NAME`` runs that experiment, as ``python -m experiments --only
+    NAME`` does (not a silent import that writes nothing)."""
+    import importlib
+
+    from experiments import EXPERIMENTS
+
+    module = importlib.import_module(EXPERIMENTS[name])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: python -m experiments.{name}" in capsys.readouterr().out
+
+
+def test_an_experiments_own_command_line_writes_its_results(tmp_path: Path) -> None:
+    from experiments.fig1_memory import main
+
+    assert main(["--out", str(tmp_path)]) == 0
+    assert {"fig1_memory.json", "fig1_memory.md", "fig1_memory.png"} <= {
+        path.name for path in tmp_path.iterdir()}
+
+
 def test_main_rejects_a_data_file_that_does_not_exist(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from experiments.__main__ import main
