@@ -59,16 +59,16 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
 from cce.integrations.transformers import patch
 from experiments.alpaca_data import (IGNORE_INDEX, add_data_argument, load_alpaca,
                                      tokenize_examples)
-from experiments.harness import (DEVICE, ON_GPU, WrittenResults, add_run_arguments, device_label,
-                                 environment, finish, log, progress, run_experiment, run_mode,
-                                 shown_method, write_results)
+from experiments import harness
+from experiments.harness import (DEVICE, ON_GPU, WrittenResults, device_label, environment, log,
+                                 progress, shown_method, write_results)
 from experiments.real_model import load_model
 
 if TYPE_CHECKING:
@@ -458,28 +458,26 @@ def _band(axis: Any, steps: torch.Tensor, values: torch.Tensor, name: str, label
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.alpaca_finetune",
-                                     description=__doc__.split("\n\n")[0])
-    add_run_arguments(parser, f"{NAME}.json, {NAME}.md and {FIGURE}")
-    parser.add_argument("--steps", type=int,
-                        help=f"optimizer steps per run (default: {FULL_STEPS}; {QUICK_STEPS} with "
-                             "--quick)")
-    parser.add_argument("--seeds", type=int,
-                        help=f"runs per implementation, seeds 0..N-1 (default: {FULL_SEEDS}; "
-                             f"{QUICK_SEEDS} with --quick)")
-    parser.add_argument("--impls", nargs="+", choices=list(IMPLEMENTATIONS), metavar="IMPL",
-                        help=f"implementations to train (default: all of "
-                             f"{', '.join(IMPLEMENTATIONS)})")
-    add_data_argument(parser)
-    parser.add_argument("--model", choices=list(SETUPS),
-                        help=f"{REAL_MODEL} (default; its GGUF file from the PyPI package or "
-                             f"$CCE_GEMMA3_GGUF) or {TINY_MODEL} (default with --quick)")
-    args = parser.parse_args(argv)
-    quick, out_dir = run_mode(args)
-    outcome, errors = run_experiment(NAME, out_dir, lambda: run(
-        quick, out_dir, steps=args.steps, seeds=args.seeds, impls=args.impls,
-        data_path=args.data, model=args.model))
-    return finish([outcome], errors, out_dir)
+    def options(parser: argparse.ArgumentParser
+                ) -> Callable[[argparse.Namespace], dict[str, Any]]:
+        parser.add_argument("--steps", type=int,
+                            help=f"optimizer steps per run (default: {FULL_STEPS}; "
+                                 f"{QUICK_STEPS} with --quick)")
+        parser.add_argument("--seeds", type=int,
+                            help=f"runs per implementation, seeds 0..N-1 (default: "
+                                 f"{FULL_SEEDS}; {QUICK_SEEDS} with --quick)")
+        parser.add_argument("--impls", nargs="+", choices=list(IMPLEMENTATIONS), metavar="IMPL",
+                            help=f"implementations to train (default: all of "
+                                 f"{', '.join(IMPLEMENTATIONS)})")
+        add_data_argument(parser)
+        parser.add_argument("--model", choices=list(SETUPS),
+                            help=f"{REAL_MODEL} (default; its GGUF file from the PyPI package "
+                                 f"or $CCE_GEMMA3_GGUF) or {TINY_MODEL} (default with --quick)")
+        return lambda args: dict(steps=args.steps, seeds=args.seeds, impls=args.impls,
+                                 data_path=args.data, model=args.model)
+
+    return harness.main(NAME, run, __doc__.split("\n\n")[0], argv, options,
+                        files=f"{NAME}.json, {NAME}.md and {FIGURE}")
 
 
 if __name__ == "__main__":

@@ -111,11 +111,15 @@ class Shape:
 TARGET_METHODS = ("cce", "torch_compile")
 
 
+# The real-data shapes' name, and theirs where the model is not importable (synthetic inputs).
+REAL_DATA = "Gemma 3 270M, Alpaca"
+REAL_DATA_SIZES = "Gemma 3 270M shape"
+
 SHAPES: dict[str, Shape] = {shape.name: shape for shape in (
-    Shape("gemma3", "Gemma 3 270M, Alpaca", 8192, 262144, 640, "alpaca"),
-    Shape("gemma3_masked", "Gemma 3 270M, Alpaca, prompt ignored", 8192, 262144, 640,
+    Shape("gemma3", REAL_DATA, 8192, 262144, 640, "alpaca"),
+    Shape("gemma3_masked", f"{REAL_DATA}, prompt ignored", 8192, 262144, 640,
           "alpaca_masked"),
-    Shape("gemma3_removed", "Gemma 3 270M, Alpaca, prompt ignored and removed", 8192, 262144,
+    Shape("gemma3_removed", f"{REAL_DATA}, prompt ignored and removed", 8192, 262144,
           640, "alpaca_masked", ignored_removed=True),
     Shape("gemma2_2b", "Gemma 2 2B shape", 8192, 256000, 2304, "lm_like"),
     Shape("gemma2_2b_removed", "Gemma 2 2B shape, Alpaca's prompt share ignored and removed",
@@ -498,7 +502,7 @@ def shape_description(shape: Shape, data: str) -> str:
     """The shape's description; a real-data shape measured on synthetic inputs (the model not
     importable) is named by its model's sizes, not by the data it did not see."""
     if shape.data.startswith("alpaca") and data.startswith("synthetic"):
-        return shape.description.replace("Gemma 3 270M, Alpaca", "Gemma 3 270M shape")
+        return shape.description.replace(REAL_DATA, REAL_DATA_SIZES)
     return shape.description
 
 

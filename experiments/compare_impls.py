@@ -94,7 +94,8 @@ def _measure(variant: Variant, e: torch.Tensor, c: torch.Tensor, targets: torch.
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return harness.main(NAME, run, __doc__.split("\n\n")[0], argv)
+    return harness.main(NAME, run, __doc__.split("\n\n")[0], argv,
+                        files=f"{NAME}.json and {NAME}.md")
 
 
 if __name__ == "__main__":

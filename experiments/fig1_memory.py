@@ -312,7 +312,7 @@ def _shares(models: dict[str, Breakdown], batches: list[int], cce: bool) -> list
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return harness.main(NAME, run, __doc__.split("\n\n")[0], argv)
+    return harness.main(NAME, run, __doc__.split("\n\n")[0], argv, measures=False)
 
 
 if __name__ == "__main__":

@@ -34,15 +34,15 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from cce.backward.live_tiles import live_tiles
 from cce.forward.vocab_order import target_positions, vocab_order
 from experiments.alpaca_data import IGNORE_INDEX, add_data_argument
-from experiments.harness import (DEVICE, WrittenResults, add_run_arguments, device_name, finish,
-                                 run_experiment, run_mode, write_results)
+from experiments import harness
+from experiments.harness import DEVICE, WrittenResults, device_name, write_results
 from experiments.real_model import AlpacaBatch, alpaca_batch, load_model
 
 NAME = "fig3_sparsity"
@@ -460,17 +460,14 @@ def _sort_ascending(values: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.fig3_sparsity",
-                                     description=__doc__.split("\n\n")[0])
-    add_run_arguments(parser, f"{NAME}.json, {NAME}.md and {NAME}.png")
-    parser.add_argument("--tokens", type=int, help=f"token count, overriding --quick's "
-                        f"{QUICK_TOKENS} and a full run's {FULL_TOKENS}")
-    add_data_argument(parser)
-    args = parser.parse_args(argv)
-    quick, out_dir = run_mode(args)
-    outcome, errors = run_experiment(NAME, out_dir, lambda: run(
-        quick, out_dir, data_path=args.data, num_tokens=args.tokens))
-    return finish([outcome], errors, out_dir)
+    def options(parser: argparse.ArgumentParser
+                ) -> Callable[[argparse.Namespace], dict[str, Any]]:
+        parser.add_argument("--tokens", type=int, help=f"token count, overriding --quick's "
+                            f"{QUICK_TOKENS} and a full run's {FULL_TOKENS}")
+        add_data_argument(parser)
+        return lambda args: dict(data_path=args.data, num_tokens=args.tokens)
+
+    return harness.main(NAME, run, __doc__.split("\n\n")[0], argv, options)
 
 
 if __name__ == "__main__":

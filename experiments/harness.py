@@ -145,14 +145,14 @@ def files_written(out_dir: Path, before: dict[Path, int]) -> list[Path]:
                   if before.get(path) != time_ns)
 
 
-def run_experiment(name: str, out_dir: Path, run: Callable[[], WrittenResults]
-                   ) -> tuple[Outcome, list[str]]:
+def run_experiment(name: str, out_dir: Path, run: Callable[[], WrittenResults],
+                   measures: bool = True) -> tuple[Outcome, list[str]]:
     """Call ``run`` (which writes into ``out_dir``): how it went and what failed.
 
     An exception is logged with its traceback and becomes a failed outcome, so that one
     experiment's failure does not hide the results of those after it.
     """
-    if kernels_interpreted():  # before any timing reaches the console
+    if measures and kernels_interpreted():  # before any timing reaches the console
         log(f"{name}: {INTERPRETER_CAVEAT}")
     before, start_s = file_times(out_dir), time.perf_counter()
     try:
@@ -172,19 +172,21 @@ def run_experiment(name: str, out_dir: Path, run: Callable[[], WrittenResults]
 def main(name: str, run: Callable[..., WrittenResults], description: str,
          argv: Optional[list[str]] = None,
          options: Optional[Callable[[argparse.ArgumentParser],
-                                    Callable[[argparse.Namespace], dict[str, Any]]]] = None
-         ) -> int:
-    """``python -m experiments.<name> [--quick] [--out DIR]``: one experiment's command line.
-    ``options``, given the parser, adds the experiment's own arguments and returns what turns
-    the parsed arguments into ``run``'s keyword arguments."""
+                                    Callable[[argparse.Namespace], dict[str, Any]]]] = None,
+         *, files: Optional[str] = None, measures: bool = True) -> int:
+    """``python -m experiments.<name> [--quick] [--out DIR] ...``: one experiment's command
+    line. ``options``, given the parser, adds the experiment's own arguments and returns what
+    turns the parsed arguments into ``run``'s keyword arguments. ``files``: what the experiment
+    writes (default: ``<name>.json, <name>.md and <name>.png``); ``measures``: see
+    :func:`run_mode`."""
     parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}",
                                      description=description)
-    add_run_arguments(parser, f"{name}.json, {name}.md and {name}.png")
+    add_run_arguments(parser, files or f"{name}.json, {name}.md and {name}.png")
     keywords = options(parser) if options is not None else lambda args: {}
     args = parser.parse_args(argv)
-    quick, out_dir = run_mode(args)
+    quick, out_dir = run_mode(args, measures)
     outcome, errors = run_experiment(name, out_dir,
-                                     lambda: run(quick, out_dir, **keywords(args)))
+                                     lambda: run(quick, out_dir, **keywords(args)), measures)
     return finish([outcome], errors, out_dir)
 
 

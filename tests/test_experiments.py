@@ -100,16 +100,19 @@ def test_main_rejects_an_unknown_experiment() -> None:
 # The registry only: importing the experiments package imports torch, not triton.
 @pytest.mark.parametrize("name", list(__import__("experiments").EXPERIMENTS))
 def test_every_experiment_has_a_command_line_of_its_own(
-        name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """``python -m experiments.NAME`` runs that experiment, as ``python -m experiments --only
-    NAME`` does (not a silent import that writes nothing)."""
-    import importlib
+        name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m experiments.NAME`` runs that experiment's command line, as ``python -m
+    experiments --only NAME`` does (not a silent import that writes nothing)."""
+    import runpy
+    import warnings
 
     from experiments import EXPERIMENTS
 
-    module = importlib.import_module(EXPERIMENTS[name])
-    with pytest.raises(SystemExit) as exit_info:
-        module.main(["--help"])
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as exit_info, warnings.catch_warnings():
+        # runpy warns that the module was imported already (by other tests): harmless here.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        runpy.run_module(EXPERIMENTS[name], run_name="__main__")
     assert exit_info.value.code == 0
     assert f"usage: python -m experiments.{name}" in capsys.readouterr().out
 

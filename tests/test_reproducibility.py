@@ -125,13 +125,14 @@ def test_bias_and_smoothing_gradients_match_float64(gen, with_weight: bool,
         assert relative_error(value, expected.grad) < 5e-3, what
 
 
-def replays_on_new_inputs(graph, buffers, shape):
+def replays_on_new_inputs(graph: torch.cuda.CUDAGraph, buffers: "tuple[torch.Tensor, ...]",
+                          shape: "tuple[int, int, int]"):
     """Replays ``graph`` on two new bf16 ``lm_like`` inputs of ``shape`` (N, V, D), each copied
     into the captured ``buffers`` (e, c, targets) first; yields the inputs after each replay."""
     for seed in range(2):
         inputs = lm_like(*shape, torch.bfloat16, "cuda", torch.Generator().manual_seed(seed))
         with torch.no_grad():
-            for buffer, value in zip(buffers, inputs):
+            for buffer, value in zip(buffers, inputs, strict=True):
                 buffer.copy_(value)
         graph.replay()
         yield inputs

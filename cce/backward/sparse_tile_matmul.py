@@ -299,6 +299,9 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
                    out=out, partial=partial, grad_bias=grad_bias, num_tokens=num_tokens,
                    vocab_size=vocab_size, dim=dim)
     if settings.by_tma:
+        # The plan chose the Hopper kernel where classifier_product.usable() holds: the dC
+        # product alone, with no bias gradient, rank-one term or split.
+        assert transposed and partial is None and grad_bias is None and rank_one is None
         classifier_product.launch(tiles, io, settings, scratch.segments_per_page, chunk_slots)
         return
     sparse_tile_matmul_kernel[(programs * splits,)](
