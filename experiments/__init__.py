@@ -29,3 +29,5 @@ EXPERIMENTS: dict[str, str] = {
     "table_a1": "experiments.table_a1",
     "table_a2": "experiments.table_a2",
 }
+# Experiments that compute without timing anything: no interpreter caveat for them on a CPU.
+COMPUTED_ONLY = frozenset({"fig1_memory"})

@@ -158,6 +158,27 @@ def test_importing_the_experiments_turns_on_the_triton_interpreter_before_triton
     assert run(TRITON_INTERPRET="0") == "0 False"
 
 
+@pytest.mark.parametrize("measures", [True, False])
+def test_the_interpreter_caveat_comes_first_where_an_experiment_times_kernels(
+        measures: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On a CPU, an experiment that times anything starts by saying what its timings are not;
+    one that only computes (COMPUTED_ONLY) says nothing of timings."""
+    from experiments import COMPUTED_ONLY, harness
+
+    assert "fig1_memory" in COMPUTED_ONLY
+    said = []
+
+    def run() -> harness.WrittenResults:
+        said.append(capsys.readouterr().err)  # what was logged before the experiment ran
+        return harness.write_results("smoke", [{"variant": "x", "fwd_ms": 1.0}], {}, tmp_path)
+
+    outcome, errors = harness.run_experiment("smoke", tmp_path, run, measures)
+    assert outcome.status == "ok" and errors == []
+    caveat = f"smoke: {harness.INTERPRETER_CAVEAT}"
+    assert (caveat in said[0]) == (measures and not harness.ON_GPU)
+    assert "thousands of times slower than a GPU" in harness.INTERPRETER_CAVEAT
+
+
 def test_quick_runs_write_to_a_scratch_folder_and_end_with_a_summary(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,9 +196,8 @@ def test_quick_runs_write_to_a_scratch_folder_and_end_with_a_summary(
         "fig1_memory.json", "fig1_memory.md", "fig1_memory.png"]
     assert not (tmp_path / "results").exists()
     output = capsys.readouterr()
-    # On a CPU, each experiment starts by saying what its timings are not.
-    assert (f"fig1_memory: {harness.INTERPRETER_CAVEAT}" in output.err) == (not harness.ON_GPU)
-    assert "thousands of times slower than a GPU" in harness.INTERPRETER_CAVEAT
+    # fig1_memory times nothing: no interpreter caveat (test_the_interpreter_caveat_...).
+    assert harness.INTERPRETER_CAVEAT not in output.err
     lines = output.out.splitlines()
     assert len(lines) == 2
     name, seconds, unit, status, *files = lines[0].split()
