@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 # Importing the package turns Triton's interpreter on where there is no CUDA device, before
 # anything imports triton.
-from experiments import COMPUTED_ONLY, EXPERIMENTS
+from experiments import EXPERIMENTS
 from experiments.alpaca_data import add_data_argument
 from experiments.harness import (WrittenResults, add_run_arguments, finish, log, progress,
                                  run_experiment, run_mode, summary)
@@ -54,7 +54,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     outcomes, errors = [], []
     for name in progress(args.only or list(EXPERIMENTS), "experiments"):
         outcome, failures = run_experiment(name, out_dir, functools.partial(
-            run_registered, name, quick, out_dir, options), name not in COMPUTED_ONLY)
+            run_registered, name, quick, out_dir, options))
         outcomes.append(outcome)
         errors += failures
         log(summary([outcome]))  # as each finishes: the only progress where bars are off

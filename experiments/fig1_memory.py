@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from experiments import COMPUTED_ONLY, harness
+from experiments import harness
 from experiments.harness import WrittenResults, write_results
 from experiments.model_configs import MODELS, ModelConfig
 
@@ -312,8 +312,7 @@ def _shares(models: dict[str, Breakdown], batches: list[int], cce: bool) -> list
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return harness.main(NAME, run, __doc__.split("\n\n")[0], argv,
-                        measures=NAME not in COMPUTED_ONLY)
+    return harness.main(NAME, run, __doc__.split("\n\n")[0], argv)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from typing import Any, Callable, Collection, Iterable, NoReturn, Optional, Type
 
 import torch
 
+from experiments import COMPUTED_ONLY
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -145,14 +147,15 @@ def files_written(out_dir: Path, before: dict[Path, int]) -> list[Path]:
                   if before.get(path) != time_ns)
 
 
-def run_experiment(name: str, out_dir: Path, run: Callable[[], WrittenResults],
-                   measures: bool = True) -> tuple[Outcome, list[str]]:
+def run_experiment(name: str, out_dir: Path, run: Callable[[], WrittenResults]
+                   ) -> tuple[Outcome, list[str]]:
     """Call ``run`` (which writes into ``out_dir``): how it went and what failed.
 
     An exception is logged with its traceback and becomes a failed outcome, so that one
     experiment's failure does not hide the results of those after it.
     """
-    if measures and kernels_interpreted():  # before any timing reaches the console
+    # Before any timing reaches the console; an experiment that times nothing has no caveat.
+    if name not in COMPUTED_ONLY and kernels_interpreted():
         log(f"{name}: {INTERPRETER_CAVEAT}")
     before, start_s = file_times(out_dir), time.perf_counter()
     try:
@@ -173,20 +176,19 @@ def main(name: str, run: Callable[..., WrittenResults], description: str,
          argv: Optional[list[str]] = None,
          options: Optional[Callable[[argparse.ArgumentParser],
                                     Callable[[argparse.Namespace], dict[str, Any]]]] = None,
-         *, files: Optional[str] = None, measures: bool = True) -> int:
+         *, files: Optional[str] = None) -> int:
     """``python -m experiments.<name> [--quick] [--out DIR] ...``: one experiment's command
     line. ``options``, given the parser, adds the experiment's own arguments and returns what
     turns the parsed arguments into ``run``'s keyword arguments. ``files``: what the experiment
-    writes (default: ``<name>.json, <name>.md and <name>.png``); ``measures``: see
-    :func:`run_mode`."""
+    writes (default: ``<name>.json, <name>.md and <name>.png``)."""
     parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}",
                                      description=description)
     add_run_arguments(parser, files or f"{name}.json, {name}.md and {name}.png")
     keywords = options(parser) if options is not None else lambda args: {}
     args = parser.parse_args(argv)
-    quick, out_dir = run_mode(args, measures)
+    quick, out_dir = run_mode(args, measures=name not in COMPUTED_ONLY)
     outcome, errors = run_experiment(name, out_dir,
-                                     lambda: run(quick, out_dir, **keywords(args)), measures)
+                                     lambda: run(quick, out_dir, **keywords(args)))
     return finish([outcome], errors, out_dir)
 
 
