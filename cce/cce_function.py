@@ -351,7 +351,7 @@ def cce_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     # The custom op's schema takes tensors and scalars: the options go flat here.
     arguments = (e, c, bias, targets.contiguous(), weighting.weight, options.softcap,
                  options.filter_eps, options.vocab_sorting, options.filter_correction,
-                 weighting.label_smoothing, options.deterministic, options.keep_tiles,
+                 weighting.label_smoothing, options.deterministic, options.keeps_tiles,
                  options.return_entropy, options.return_argmax, needs_grad,
                  needs_grad and c.requires_grad)
     loss, lse, entropy, argmax, *_ = (_LinearCrossEntropy.apply(*arguments) if needs_grad

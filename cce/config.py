@@ -48,6 +48,8 @@ class KernelConfigs:
     classifier_product: KernelConfig
     # How tl.dot multiplies the inputs (:func:`dot_precision`); :func:`kernel_configs` sets it.
     dot_precision: str = "tf32"
+    # The dense path's pass over a row of float32 logits (cce.dense.softmax_gradient).
+    dense_rows: KernelConfig = KernelConfig(block_vocab=1024, num_warps=4)
 
     def __post_init__(self):
         grid = self.live_grid
@@ -123,6 +125,19 @@ _DETERMINISTIC_HEAD_BLOCKS = 32
 # A forward program's tile bounds rest on the LSE of its own earlier tiles (and on what others
 # have merged, which on a small problem is nothing yet): fewer tiles per program, looser bounds.
 _MIN_BLOCKS_PER_RECORDING_PROGRAM = 8
+
+
+# The dense path's float32 logits are computed this many bytes at a time (whole rows).
+_DENSE_SCRATCH_BYTES = 256 * 2**20
+# memory="fast" takes the dense path up to this vocabulary size: above it enough tiles are
+# negligible for the filtering backward with kept tiles to be faster (docs/notes/backward.md,
+# "The dense path").
+DENSE_MAX_VOCAB = 65536
+
+
+def dense_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the dense path's float32 logits."""
+    return max(1, _DENSE_SCRATCH_BYTES // (4 * max(vocab_size, 1)))
 
 
 # Read once, when cce is imported: Triton decides when a kernel is decorated, at import, and the

@@ -40,8 +40,12 @@ def kernels_or_chunked_torch(e: torch.Tensor, c: torch.Tensor, targets: torch.Te
     operations, on the inputs' device (deterministic, recomputing once: the filter and kernel
     options do not apply)."""
     if kernels_take(e):
-        from cce.cce_function import cce_loss  # Triton is needed only where kernels run
+        # Triton is needed only where kernels run
+        from cce.cce_function import cce_loss
+        from cce.dense.loss import dense_loss, dense_takes
 
+        if dense_takes(c.shape[0], weighting, options):
+            return dense_loss(e, c, targets, bias, weighting, options)
         return cce_loss(e, c, targets, bias, weighting, options)
     return chunked_torch_loss(e, c, targets, bias, weighting, options)
 
@@ -83,6 +87,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     deterministic: Optional[bool] = None,
     keep_tiles: bool = False,
+    memory: Literal["low", "fast"] = "low",
     vocab_parallel: Optional[VocabParallelOptions] = None,
 ) -> Union[torch.Tensor, "tuple[torch.Tensor, ...]"]:
     """Cross-entropy of the logits ``e @ c.T + bias`` against ``targets``, without building them.
@@ -174,6 +179,12 @@ def linear_cross_entropy(
             16-bit, e.g. +0.9-1.2 GB at N = 8192 on a 128k-256k vocabulary), for a faster
             backward; False (default) keeps the peak at dE + dC + a few MB, recomputing each
             live tile twice. Kernels only.
+        memory: "low" (default): the peak above the inputs and gradients is a few MB. "fast":
+            spend memory for speed. Up to a vocabulary of 65,536 (where most backward tiles
+            are live), without softcap, label smoothing, entropy or argmax, the dense path:
+            float32 logits a 256 MB chunk at a time, and the gradient of the logits kept
+            from the forward to the backward (N x V in e's dtype, as much as the logits),
+            three GEMMs in all; otherwise ``keep_tiles``. Kernels only.
         vocab_parallel: with a classifier split over the vocabulary across the ranks of a
             process group, this rank's shard (:class:`cce.VocabParallelOptions`): ``c`` (and
             ``bias``) are rows ``[start, stop)`` of the full classifier, ``e`` and ``targets``
@@ -195,7 +206,8 @@ def linear_cross_entropy(
         filter_eps=filter_eps, vocab_sorting=vocab_sorting, filter_correction=filter_correction,
         return_lse=return_lse, return_entropy=return_entropy, return_argmax=return_argmax,
         impl=impl, label_smoothing=label_smoothing,
-        deterministic=deterministic, keep_tiles=keep_tiles, vocab_parallel=vocab_parallel,
+        deterministic=deterministic, keep_tiles=keep_tiles, memory=memory,
+        vocab_parallel=vocab_parallel,
         temperature=temperature, z_loss=z_loss)
     return _loss(e, c, targets, bias, weight, options)
 

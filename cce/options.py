@@ -23,6 +23,7 @@ import torch.distributed as dist
 VOCAB_PARALLEL_IMPLS = ("cce", "torch")
 IMPLEMENTATION_NAMES = ("cce", "cce_torch", "torch", "torch_compile", "chunked")
 REDUCTIONS = ("mean", "sum", "none")
+MEMORY_MODES = ("low", "fast")
 _INTEGERS = (int, np.integer)  # numpy integer scalars too, as F.cross_entropy accepts
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -87,6 +88,7 @@ class LossOptions:
     z_loss: float = 0.0
     deterministic: Optional[bool] = None
     keep_tiles: bool = False
+    memory: Literal["low", "fast"] = "low"
     vocab_parallel: Optional[VocabParallelOptions] = None
 
     def __post_init__(self) -> None:
@@ -102,6 +104,11 @@ class LossOptions:
                                    label_smoothing=float(self.label_smoothing),
                                    temperature=float(self.temperature),
                                    z_loss=float(self.z_loss))
+
+    @property
+    def keeps_tiles(self) -> bool:
+        """Whether the tile backward keeps its live tiles: ``keep_tiles`` or memory "fast"."""
+        return self.keep_tiles or self.memory == "fast"
 
     def resolved_deterministic(self) -> bool:
         """``deterministic``; None follows ``torch.are_deterministic_algorithms_enabled()``."""
@@ -146,6 +153,8 @@ def _check(options: LossOptions) -> None:
             raise ValueError(f"{name} must be a bool, got {getattr(options, name)!r}")
     if options.deterministic is not None and not isinstance(options.deterministic, bool):
         raise ValueError(f"deterministic must be None or a bool, got {options.deterministic!r}")
+    if options.memory not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {options.memory!r}")
     if options.impl not in IMPLEMENTATION_NAMES:
         raise ValueError(f"impl must be one of {IMPLEMENTATION_NAMES}, got {options.impl!r}")
     label_smoothing = options.label_smoothing
@@ -155,8 +164,8 @@ def _check(options: LossOptions) -> None:
     if options.vocab_parallel is not None:
         if label_smoothing:
             raise ValueError("vocab_parallel does not support weight or label_smoothing")
-        if options.keep_tiles:
-            raise ValueError("vocab_parallel does not support keep_tiles")
+        if options.keep_tiles or options.memory != "low":
+            raise ValueError("vocab_parallel does not support keep_tiles or memory='fast'")
 
 
 def _is_number(value) -> bool:

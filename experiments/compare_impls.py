@@ -47,12 +47,14 @@ class Variant:
 def variants() -> list[Variant]:
     """Each implementation with its defaults, then CCE without each backward optimization, with
     the paper's filter (no correction of the mass it drops), with each live tile recomputed
-    once (``keep_tiles``) and with a deterministic forward."""
+    once (``keep_tiles``), with memory spent for speed (``memory="fast"``) and with a
+    deterministic forward."""
     return [Variant(impl, impl) for impl in cce.IMPLEMENTATIONS] + [
         Variant("cce (filter_eps=None)", "cce", {"filter_eps": None}),
         Variant("cce (vocab_sorting=False)", "cce", {"vocab_sorting": False}),
         Variant("cce (filter_correction=False)", "cce", {"filter_correction": False}),
         Variant("cce (keep_tiles=True)", "cce", {"keep_tiles": True}),
+        Variant("cce (memory='fast')", "cce", {"memory": "fast"}),
         Variant("cce (deterministic=True)", "cce", {"deterministic": True}),
     ]
 

@@ -42,6 +42,10 @@ COMBINATIONS = [
      dict(return_entropy=True, bias=True, label_smoothing=0.1, deterministic=True)),
     ("shift-bias-smoothing", dict(shift=1, bias=True, label_smoothing=0.1)),
     ("no_correction-bias", dict(filter_correction=False, bias=True)),
+    # memory="fast": the dense path (V <= 65536), and kept tiles where the options need them.
+    ("fast-bias-weight-z_loss", dict(memory="fast", bias=True, weight=True, z_loss=1e-4)),
+    ("fast-temperature-shift", dict(memory="fast", temperature=0.7, shift=1)),
+    ("fast-softcap-smoothing", dict(memory="fast", softcap=30.0, label_smoothing=0.1)),
 ]
 
 

@@ -1,0 +1,91 @@
+"""The dense path's pass over materialized logits: per row, the log-sum-exp of the non-target
+logits and the target's logit (as the indexed dot and the LSE forward give them, so that rows
+where the model is sure keep ``1 - p_y`` to float32 precision, :mod:`cce.weighting`), and the
+gradient of the logits ``p - onehot`` (NaN on a row with a +inf logit, as in PyTorch), written in the inputs' 16- or 32-bit dtype.
+
+One program per row reads its logits twice: a running log-sum-exp with the target left out,
+then the softmax, whose entry at the target is ``-(1 - p_y) = -exp(O - L)``. The second read
+mostly hits L2, where the first left the row.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from cce.config import dot_precision, kernel_configs
+from cce.logit_tile import round_to
+
+
+@triton.jit
+def _finite_or_zero(x):
+    # The shift of a log-sum-exp: 0 where the maximum is infinite, so that exp(z - shift) gives
+    # inf for a +inf logit and 0 for a row of -inf, not NaN.
+    return tl.where((x == float("inf")) | (x == float("-inf")), 0.0, x)
+
+
+@triton.jit
+def softmax_gradient_kernel(logits_ptr, bias_ptr, targets_ptr, other_lse_ptr, target_logit_ptr,
+                            gradient_ptr, vocab_size, stride_logits, stride_gradient,
+                            BLOCK_VOCAB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    row = tl.program_id(0)
+    target = tl.load(targets_ptr + row)
+    row_logits = logits_ptr + row.to(tl.int64) * stride_logits
+    offsets = tl.arange(0, BLOCK_VOCAB)
+    shift = float("-inf")
+    total = 0.0
+    target_logit = float("-inf")
+    for start in range(0, vocab_size, BLOCK_VOCAB):
+        columns = start + offsets
+        mask = columns < vocab_size
+        z = tl.load(row_logits + columns, mask=mask, other=float("-inf"))
+        if bias_ptr is not None:
+            z += tl.load(bias_ptr + columns, mask=mask, other=0.0).to(tl.float32)
+        is_target = columns == target
+        target_logit = tl.maximum(target_logit, tl.max(tl.where(is_target, z, float("-inf"))))
+        z = tl.where(is_target, float("-inf"), z)
+        new_shift = _finite_or_zero(tl.maximum(shift, tl.max(z)))
+        total = total * tl.exp(shift - new_shift) + tl.sum(tl.exp(z - new_shift))
+        shift = new_shift
+    other_lse = shift + tl.log(total)
+    tl.store(other_lse_ptr + row, other_lse)
+    tl.store(target_logit_ptr + row, target_logit)
+    if gradient_ptr is not None:
+        top = _finite_or_zero(tl.maximum(other_lse, target_logit))
+        lse = top + tl.log(tl.exp(other_lse - top) + tl.exp(target_logit - top))
+        complement = tl.exp(other_lse - lse)
+        # A row with a +inf logit has a NaN gradient everywhere, as PyTorch's log_softmax gives.
+        poison = tl.where(lse == float("inf"), float("nan"), 0.0)
+        row_gradient = gradient_ptr + row.to(tl.int64) * stride_gradient
+        for start in range(0, vocab_size, BLOCK_VOCAB):
+            columns = start + offsets
+            mask = columns < vocab_size
+            z = tl.load(row_logits + columns, mask=mask, other=float("-inf"))
+            if bias_ptr is not None:
+                z += tl.load(bias_ptr + columns, mask=mask, other=0.0).to(tl.float32)
+            g = tl.where(columns == target, -complement, tl.exp(z - lse)) + poison
+            tl.store(row_gradient + columns,
+                     round_to(g, gradient_ptr.dtype.element_ty, DOT_PRECISION), mask=mask)
+
+
+def softmax_gradient(logits: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                     gradient: Optional[torch.Tensor]
+                     ) -> "tuple[torch.Tensor, torch.Tensor]":
+    """(other_lse, target_logit), float32 (n,), of the float32 ``logits`` (n, V) plus ``bias``
+    (targets -1: no target, every logit counts as other); and, into ``gradient`` (n, V) unless it
+    is None, ``softmax - onehot``."""
+    num_rows, vocab_size = logits.shape
+    other_lse = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    target_logit = torch.empty_like(other_lse)
+    if num_rows == 0:
+        return other_lse, target_logit
+    config = kernel_configs(logits.dtype).dense_rows
+    softmax_gradient_kernel[(num_rows,)](
+        logits, bias, targets, other_lse, target_logit, gradient, vocab_size, logits.stride(0),
+        0 if gradient is None else gradient.stride(0), BLOCK_VOCAB=config.block_vocab,
+        DOT_PRECISION=dot_precision(logits.dtype if gradient is None else gradient.dtype),
+        num_warps=config.num_warps)
+    return other_lse, target_logit

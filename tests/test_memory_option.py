@@ -1,0 +1,128 @@
+"""Specification of the ``memory`` option: "low" (default) keeps the peak at a few MB above the
+inputs and gradients; "fast" spends memory for speed. On a vocabulary of at most 65,536, without
+softcap, label smoothing, entropy or argmax, "fast" takes the dense path (the gradient of the
+logits kept from the forward, three GEMMs); otherwise it keeps the backward's live tiles. Both
+compute the same loss, lse and gradients as the default, to the float64 reference's tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import cce
+from tests.helpers import (INTERPRETER_NON_FINITE_WARNINGS, Inputs, check, confident_inputs,
+                           make_grad_output, make_inputs, run, run_reference, tolerances)
+from tests.reference import relative_error
+
+
+def autograd_nodes(output: torch.Tensor) -> "set[str]":
+    """The names of every node of ``output``'s autograd graph."""
+    names, stack, seen = set(), [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def takes_dense_path(loss: torch.Tensor) -> bool:
+    return any("Dense" in name for name in autograd_nodes(loss))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("reduction, lse_gradient", [("mean", False), ("none", True)])
+def test_fast_matches_reference(dtype: torch.dtype, reduction: str, lse_gradient: bool,
+                                device: str, gen: torch.Generator) -> None:
+    """With a bias, class weights, z_loss and an upstream gradient on the lse, as the default
+    path does."""
+    inputs = make_inputs(gen, device, dtype, bias=True)
+    weight = torch.rand(inputs.c.shape[0], generator=gen).to(device)
+    check("cce", inputs, gen, reduction=reduction, lse_gradient=lse_gradient, memory="fast",
+          weight=weight, z_loss=1e-3)
+
+
+@pytest.mark.parametrize("options, dense", [
+    ({}, True), ({"return_lse": True, "z_loss": 1e-3, "temperature": 0.7, "shift": 1}, True),
+    ({"softcap": 30.0}, False), ({"label_smoothing": 0.1}, False),
+    ({"return_entropy": True}, False), ({"return_argmax": True}, False)],
+    ids=["plain", "lse-z_loss-temperature-shift", "softcap", "smoothing", "entropy", "argmax"])
+def test_fast_takes_the_dense_path_where_it_applies(options: dict, dense: bool, device: str,
+                                                    gen: torch.Generator) -> None:
+    inputs = make_inputs(gen, device, torch.bfloat16, shape=(2, 9))
+    e = inputs.e.requires_grad_()
+    out = cce.linear_cross_entropy(e, inputs.c, inputs.targets, memory="fast", **options)
+    loss = out[0] if isinstance(out, tuple) else out
+    assert takes_dense_path(loss) == dense
+    default = cce.linear_cross_entropy(e, inputs.c, inputs.targets, **options)
+    assert not takes_dense_path(default[0] if isinstance(default, tuple) else default)
+
+
+def test_fast_above_the_dense_vocabulary_keeps_tiles(device: str, gen: torch.Generator) -> None:
+    inputs = make_inputs(gen, device, torch.bfloat16, shape=(3,), vocab=65537, dim=8)
+    e = inputs.e.requires_grad_()
+    loss = cce.linear_cross_entropy(e, inputs.c, inputs.targets, memory="fast")
+    assert not takes_dense_path(loss)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fast_confident_rows_are_as_accurate_as_pytorch(dtype: torch.dtype, device: str,
+                                                        gen: torch.Generator) -> None:
+    """Where 1 - p_target is 1e-6, the dense path's loss and gradients come from the LSE of the
+    non-target logits, as the tile path's: no worse than PyTorch's on logits in e's dtype."""
+    num_tokens, vocab, dim = (2048, 50000, 256) if device == "cuda" else (64, 700, 64)
+    e, c, targets = confident_inputs(gen, device, dtype, num_tokens, vocab, dim, 1e-6)
+    inputs = Inputs(e, c, targets)
+    grad_output = make_grad_output(gen, inputs, "none")
+    ref = run_reference(inputs, grad_output, reduction="none")
+    ours = run("cce", inputs, grad_output, reduction="none", memory="fast")
+    e_, c_ = e.detach().requires_grad_(), c.detach().requires_grad_()
+    theirs = torch.nn.functional.cross_entropy((e_ @ c_.T).float(), targets, reduction="none")
+    grad_e, grad_c = torch.autograd.grad(theirs, [e_, c_], grad_output)
+    floor = tolerances("cce", dtype)[1]
+    assert relative_error(ours.loss, ref.loss) <= max(relative_error(theirs, ref.loss), 1e-5)
+    assert relative_error(ours.grad_e, ref.grad_e) <= max(relative_error(grad_e, ref.grad_e),
+                                                          floor)
+    assert relative_error(ours.grad_c, ref.grad_c) <= max(relative_error(grad_c, ref.grad_c),
+                                                          floor)
+
+
+@INTERPRETER_NON_FINITE_WARNINGS
+@pytest.mark.parametrize("bad_value", [math.nan, math.inf], ids=["nan", "inf"])
+def test_fast_non_finite_rows_propagate_like_pytorch(bad_value: float, device: str,
+                                                     gen: torch.Generator) -> None:
+    inputs = make_inputs(gen, device, torch.float32, ignored_fraction=0.0)
+    inputs.e[5, 3] = bad_value
+    grad_output = make_grad_output(gen, inputs, "none")
+    ours = run("cce", inputs, grad_output, reduction="none", memory="fast")
+    theirs = run("torch", inputs, grad_output, reduction="none")
+    for name in ("loss", "lse", "grad_e", "grad_c"):
+        mine, expected = getattr(ours, name), getattr(theirs, name)
+        for test in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(test(mine), test(expected)), name
+
+
+def test_fast_without_gradients_and_differentiated_twice(device: str,
+                                                         gen: torch.Generator) -> None:
+    """Without a backward the forward keeps nothing and gives the same loss; a second
+    derivative raises, as on the default path."""
+    inputs = make_inputs(gen, device, torch.float32)
+    with torch.no_grad():
+        plain = cce.linear_cross_entropy(inputs.e, inputs.c, inputs.targets, memory="fast")
+    e = inputs.e.detach().requires_grad_()
+    loss = cce.linear_cross_entropy(e, inputs.c, inputs.targets, memory="fast")
+    assert torch.equal(plain, loss.detach())
+    (grad_e,) = torch.autograd.grad(loss, e, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        grad_e.square().sum().backward()
+
+
+def test_memory_must_be_low_or_fast() -> None:
+    e, c, targets = torch.randn(4, 8), torch.randn(16, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="memory must be one of"):
+        cce.linear_cross_entropy(e, c, targets, memory="max")
