@@ -126,3 +126,21 @@ def test_memory_must_be_low_or_fast() -> None:
     e, c, targets = torch.randn(4, 8), torch.randn(16, 8), torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="memory must be one of"):
         cce.linear_cross_entropy(e, c, targets, memory="max")
+
+
+def test_dense_ops_pass_torch_library_opcheck(device: str, gen: torch.Generator) -> None:
+    """torch.library.opcheck of the dense path's two custom ops: schemas, fake implementations
+    against the real ones, autograd registration and tracing by AOTAutograd (torch.compile)."""
+    from cce.dense.loss import dense_backward, dense_forward
+
+    inputs = make_inputs(gen, device, torch.float32, bias=True, ignored_fraction=0.2)
+    targets = torch.where(inputs.targets >= 0, inputs.targets, -1)
+    e, c, bias = (x.detach().requires_grad_() for x in (inputs.e, inputs.c, inputs.bias))
+    weight = torch.rand(c.shape[0], generator=gen).to(device)
+    forward_args = (e, c, bias, targets, weight, True)
+    torch.library.opcheck(dense_forward, forward_args, rtol=1e-4, atol=1e-5)
+    _, _, gradient = dense_forward(*forward_args)
+    grad_loss = make_grad_output(gen, inputs, "none")
+    backward_args = (inputs.e, inputs.c, inputs.bias, targets, weight, gradient, grad_loss,
+                     torch.randn_like(grad_loss), True, True)
+    torch.library.opcheck(dense_backward, backward_args, rtol=1e-4, atol=1e-5)

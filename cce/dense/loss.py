@@ -94,10 +94,10 @@ def dense_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor
     # r: the LSE's upstream gradient at rows with a target (None: no such term).
     onehot_scale = (torch.where(with_target, softmax_scale - target_scale, 0.0)
                     if grad_lse is not None else None)
-    # The rows' scales as a float32 factor times 16-bit multipliers: exact where every scale is
-    # the same (reduction "mean" or "sum"), so the products round nothing more than G.
-    factor = softmax_scale.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
-    multipliers = softmax_scale / factor
+    # dC's product takes the rows of E times their scales, rounded once to e's dtype, a power of
+    # two apart so that 16-bit e keeps its range; the output is scaled back exactly.
+    power = torch.exp2(torch.frexp(softmax_scale.abs().amax())[1].float())
+    multipliers = softmax_scale / power
     safe_targets = targets.clamp(min=0)
     grad_e = grad_c = grad_bias = None
     if needs_grad_e:
@@ -106,14 +106,16 @@ def dense_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor
             grad_e += onehot_scale[:, None] * c[safe_targets].float()
         grad_e = grad_e.to(e.dtype)
     if needs_grad_c:
-        scaled_e = (e.float() * multipliers[:, None]).to(e.dtype)  # one rounding
-        grad_c = _float32_product(gradient.T, scaled_e) * factor
-        if onehot_scale is not None:
+        scaled_e = (e.float() * multipliers[:, None]).to(e.dtype)
+        if onehot_scale is None:  # G's product alone: its output in e's dtype
+            grad_c = torch.mm(gradient.T, scaled_e).mul_(power.to(e.dtype))
+        else:
+            grad_c = _float32_product(gradient.T, scaled_e).mul_(power)
             grad_c.index_add_(0, safe_targets, onehot_scale[:, None] * e.float())
-        grad_c = grad_c.to(c.dtype)
+            grad_c = grad_c.to(c.dtype)
         if bias is not None:
             grad_bias = _float32_product(gradient.T, multipliers[:, None].to(e.dtype)).squeeze(1)
-            grad_bias *= factor
+            grad_bias *= power
             if onehot_scale is not None:
                 grad_bias.index_add_(0, safe_targets, onehot_scale)
             grad_bias = grad_bias.to(bias.dtype)

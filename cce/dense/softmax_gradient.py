@@ -28,6 +28,15 @@ def _finite_or_zero(x):
 
 
 @triton.jit
+def _logit_block(row_logits, bias_ptr, columns, vocab_size):
+    """A block of a row's logits plus the bias, -inf past the vocabulary."""
+    z = tl.load(row_logits + columns, mask=columns < vocab_size, other=float("-inf"))
+    if bias_ptr is not None:
+        z += tl.load(bias_ptr + columns, mask=columns < vocab_size, other=0.0).to(tl.float32)
+    return z
+
+
+@triton.jit
 def softmax_gradient_kernel(logits_ptr, bias_ptr, targets_ptr, other_lse_ptr, target_logit_ptr,
                             gradient_ptr, vocab_size, stride_logits, stride_gradient,
                             BLOCK_VOCAB: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -40,10 +49,7 @@ def softmax_gradient_kernel(logits_ptr, bias_ptr, targets_ptr, other_lse_ptr, ta
     target_logit = float("-inf")
     for start in range(0, vocab_size, BLOCK_VOCAB):
         columns = start + offsets
-        mask = columns < vocab_size
-        z = tl.load(row_logits + columns, mask=mask, other=float("-inf"))
-        if bias_ptr is not None:
-            z += tl.load(bias_ptr + columns, mask=mask, other=0.0).to(tl.float32)
+        z = _logit_block(row_logits, bias_ptr, columns, vocab_size)
         is_target = columns == target
         target_logit = tl.maximum(target_logit, tl.max(tl.where(is_target, z, float("-inf"))))
         z = tl.where(is_target, float("-inf"), z)
@@ -62,13 +68,11 @@ def softmax_gradient_kernel(logits_ptr, bias_ptr, targets_ptr, other_lse_ptr, ta
         row_gradient = gradient_ptr + row.to(tl.int64) * stride_gradient
         for start in range(0, vocab_size, BLOCK_VOCAB):
             columns = start + offsets
-            mask = columns < vocab_size
-            z = tl.load(row_logits + columns, mask=mask, other=float("-inf"))
-            if bias_ptr is not None:
-                z += tl.load(bias_ptr + columns, mask=mask, other=0.0).to(tl.float32)
+            z = _logit_block(row_logits, bias_ptr, columns, vocab_size)
             g = tl.where(columns == target, -complement, tl.exp(z - lse)) + poison
             tl.store(row_gradient + columns,
-                     round_to(g, gradient_ptr.dtype.element_ty, DOT_PRECISION), mask=mask)
+                     round_to(g, gradient_ptr.dtype.element_ty, DOT_PRECISION),
+                     mask=columns < vocab_size)
 
 
 def softmax_gradient(logits: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
