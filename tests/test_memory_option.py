@@ -63,11 +63,20 @@ def test_fast_takes_the_dense_path_where_it_applies(options: dict, dense: bool, 
     assert not takes_dense_path(default[0] if isinstance(default, tuple) else default)
 
 
-def test_fast_above_the_dense_vocabulary_keeps_tiles(device: str, gen: torch.Generator) -> None:
-    inputs = make_inputs(gen, device, torch.bfloat16, shape=(3,), vocab=65537, dim=8)
-    e = inputs.e.requires_grad_()
-    loss = cce.linear_cross_entropy(e, inputs.c, inputs.targets, memory="fast")
-    assert not takes_dense_path(loss)
+def test_fast_above_the_dense_vocabulary_keeps_tiles(device: str, gen: torch.Generator,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ``cce.config.DENSE_MAX_VOCAB`` (lowered here below the test's vocabulary: a real one
+    would take the interpreter minutes), "fast" is ``keep_tiles=True``."""
+    inputs = make_inputs(gen, device, torch.bfloat16, shape=(2, 9))
+    monkeypatch.setattr("cce.dense.loss.DENSE_MAX_VOCAB", inputs.c.shape[0] - 1)
+    grad_output = make_grad_output(gen, inputs, "mean")
+    e = inputs.e.detach().requires_grad_()
+    assert not takes_dense_path(cce.linear_cross_entropy(e, inputs.c, inputs.targets,
+                                                         memory="fast"))
+    fast = run("cce", inputs, grad_output, memory="fast", deterministic=True)
+    kept = run("cce", inputs, grad_output, keep_tiles=True, deterministic=True)
+    for name in ("loss", "lse", "grad_e", "grad_c"):
+        assert torch.equal(getattr(fast, name), getattr(kept, name)), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
