@@ -281,6 +281,18 @@ def test_patching_again_replaces_the_options_instead_of_stacking(gen, device, cc
     assert "forward" not in vars(model)
 
 
+def test_memory_option_reaches_the_loss(gen, device, cce_calls):
+    """``memory="fast"`` (the dense path at this vocabulary) trains as the model's own loss."""
+    reference, model = reference_and_patched("llama", device, memory="fast")
+    inputs = make_batch(gen, device)
+    output, expected = model(**inputs), reference(**inputs)
+    output.loss.backward()
+    expected.loss.backward()
+    assert [call["kwargs"]["memory"] for call in cce_calls] == ["fast"]
+    assert relative_error(output.loss, expected.loss) <= 1e-5
+    assert_same_training_step(model, reference)
+
+
 class LlamaWithCenteredLogits(transformers.LlamaForCausalLM):
     """A forward that does more with its logits than a scale and a softcap."""
 

@@ -87,6 +87,7 @@ def patch(
     filter_correction: bool = True,
     weight: Optional[torch.Tensor] = None,
     label_smoothing: float = 0.0,
+    memory: Literal["low", "fast"] = "low",
 ) -> PreTrainedModel:
     """Make ``model`` compute its loss with :func:`cce.linear_cross_entropy`, in place.
 
@@ -100,8 +101,9 @@ def patch(
             cross-entropy (``self.loss_function``'s ForCausalLMLoss, or ``F.cross_entropy``):
             ``*ForCausalLM``, ``*LMHeadModel``, ``*ForConditionalGeneration`` (docs/models.md
             lists those tested).
-        impl, filter_eps, vocab_sorting, filter_correction, weight, label_smoothing: as in
-            :func:`cce.linear_cross_entropy` (``weight`` on the device of the output embeddings).
+        impl, filter_eps, vocab_sorting, filter_correction, weight, label_smoothing, memory: as
+            in :func:`cce.linear_cross_entropy` (``weight`` on the device of the output
+            embeddings; ``memory="fast"`` spends memory for speed, e.g. on Phi 3's 32k vocabulary).
             transformers' own loss has neither of the last two. Trainer's
             ``label_smoothing_factor`` keeps the labels from the model and smooths its logits,
             so the model's own forward runs and builds them: leave it at 0 and pass
@@ -120,7 +122,7 @@ def patch(
     # Builds nothing that is kept: it validates the options now rather than at the first step.
     options = dict(impl=impl, filter_eps=filter_eps, vocab_sorting=vocab_sorting,
                    filter_correction=filter_correction, weight=weight,
-                   label_smoothing=label_smoothing)
+                   label_smoothing=label_smoothing, memory=memory)
     cce.LinearCrossEntropy(**options)
     unpatch(model)
     model._cce_patch = _Patch(
