@@ -129,8 +129,9 @@ def linear_cross_entropy(
             first ``shift`` targets are not used (nor range-checked).
         filter_eps: gradient filtering threshold in (0, 1): skip backward tiles whose softmax
             entries are all below it. "auto" is 2^-12 for bfloat16 (finfo(dtype).eps / 32 in
-            general); None disables filtering (exact gradients). Only the kernels filter: the
-            chunked PyTorch path and the baselines compute exact gradients and ignore it.
+            general); None disables filtering (exact gradients). Only the kernels' tiles
+            filter: the chunked PyTorch path, the dense path of ``memory="fast"`` and the
+            baselines compute exact gradients and ignore it.
         vocab_sorting: order backward tiles by average logit so that skipped tiles are common.
         filter_correction: with filtering, add what the filter dropped back to the gradient of
             ``e``, as each row's dropped probability mass times the mean row of ``c`` (not in
@@ -184,7 +185,7 @@ def linear_cross_entropy(
             are live), without softcap, label smoothing, entropy or argmax, the dense path:
             float32 logits a 256 MB chunk at a time, and the gradient of the logits kept
             from the forward to the backward (N x V in e's dtype, as much as the logits),
-            three GEMMs in all; otherwise ``keep_tiles``. Kernels only.
+            three GEMMs in all, exact gradients; otherwise ``keep_tiles``. Kernels only.
         vocab_parallel: with a classifier split over the vocabulary across the ranks of a
             process group, this rank's shard (:class:`cce.VocabParallelOptions`): ``c`` (and
             ``bias``) are rows ``[start, stop)`` of the full classifier, ``e`` and ``targets``

@@ -285,26 +285,28 @@ AUTOCAST_CASES = [("cpu", torch.bfloat16)] + [
     for dtype in (torch.float16, torch.bfloat16)]
 
 
+@pytest.mark.parametrize("memory", ["low", "fast"])
 @pytest.mark.parametrize("e_dtype", [torch.float32, torch.bfloat16], ids=["e-fp32", "e-bf16"])
 @pytest.mark.parametrize("device_type, autocast_dtype", AUTOCAST_CASES,
                          ids=["cpu-bf16", "cuda-fp16", "cuda-bf16"])
 def test_autocast_casts_e_and_c_as_f_linear_would(device_type: str, autocast_dtype: torch.dtype,
-                                                  e_dtype: torch.dtype,
+                                                  e_dtype: torch.dtype, memory: str,
                                                   gen: torch.Generator) -> None:
     """Mixed precision: float32 weights (c, bias) and float32 or bfloat16 hidden states under
     autocast. The loss is that of e, c and bias in the autocast dtype, float32; each leaf gets
-    its gradient in its own dtype (the fp32 lm_head weight an fp32 one)."""
+    its gradient in its own dtype (the fp32 lm_head weight an fp32 one). The same for the dense
+    path (``memory="fast"``), whose products autocast must not touch."""
     inputs = make_inputs(gen, device_type, torch.float32, bias=True)
     e, c, bias = _leaves(inputs.e.to(e_dtype), inputs.c, inputs.bias)
     grad_output = make_grad_output(gen, inputs, "mean")
     with torch.autocast(device_type, dtype=autocast_dtype):
         assert torch.nn.functional.linear(e, c, bias).dtype == autocast_dtype
-        loss = cce.linear_cross_entropy(e, c, inputs.targets, bias=bias)
+        loss = cce.linear_cross_entropy(e, c, inputs.targets, bias=bias, memory=memory)
         grads = torch.autograd.grad(loss, [e, c, bias], grad_output)
 
     cast = Inputs(inputs.e.to(e_dtype).to(autocast_dtype), inputs.c.to(autocast_dtype),
                   inputs.targets, inputs.bias.to(autocast_dtype))
-    expected = run("cce", cast, grad_output)
+    expected = run("cce", cast, grad_output, memory=memory)
     assert loss.dtype == torch.float32 and torch.equal(loss, expected.loss)
     assert [grad.dtype for grad in grads] == [e_dtype, torch.float32, torch.float32]
     for grad, expected_grad in zip(grads, (expected.grad_e, expected.grad_c,

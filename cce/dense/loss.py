@@ -15,6 +15,7 @@ options whose gradient is that (no softcap, label smoothing or entropy: :func:`d
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -44,7 +45,19 @@ def _float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
+def _without_autocast(op):
+    """``op`` with autocast off on its inputs' device: the loss casts e, c and bias once
+    (:func:`cce.loss._cast_as_linear_would`), and the ops' products must keep the dtypes they
+    ask for (autocast would round the float32 logits to 16 bits)."""
+    @functools.wraps(op)
+    def without_autocast(e: torch.Tensor, *args, **kwargs):
+        with torch.autocast(e.device.type, enabled=False):
+            return op(e, *args, **kwargs)
+    return without_autocast
+
+
 @torch.library.custom_op("cce::dense_forward", mutates_args=())
+@_without_autocast
 def dense_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                   targets: torch.Tensor, weight: Optional[torch.Tensor], needs_grad: bool,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,6 +90,7 @@ def _dense_forward_fake(e, c, bias, targets, weight, needs_grad):
 
 
 @torch.library.custom_op("cce::dense_backward", mutates_args=())
+@_without_autocast
 def dense_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                    targets: torch.Tensor, weight: Optional[torch.Tensor],
                    gradient: torch.Tensor, grad_loss: Optional[torch.Tensor],
