@@ -1,5 +1,5 @@
-"""Autograd plumbing shared by the paths: whether a backward follows, outputs of no tokens, and
-gradients that are differentiable once and say so.
+"""Autograd plumbing shared by the paths: whether a backward follows, outputs of no tokens,
+gradients that are differentiable once and say so, and functions that autocast must not touch.
 
 A custom autograd function whose backward records no graph returns gradients without a
 ``grad_fn`` under ``create_graph=True``; a term built on them (a gradient penalty) would then
@@ -8,17 +8,37 @@ silently lose its part through the loss. These gradients get a ``grad_fn`` that 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
 from cce.weighting import TokenOutputs
+
+Function = TypeVar("Function", bound=Callable)
 
 
 def needs_gradient(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether a backward will follow: grad mode on and some input requiring grad."""
     return torch.is_grad_enabled() and any(
         tensor is not None and tensor.requires_grad for tensor in tensors)
+
+
+def without_autocast(function: Function) -> Function:
+    """``function`` run with autocast off on its first tensor argument's device: the paths that
+    multiply in PyTorch (float32 copies, float32 outputs) ask for their dtypes, which a caller's
+    autocast would round back to 16 bits; the loss casts e, c and bias once, as F.linear would
+    (:func:`cce.loss._cast_as_linear_would`)."""
+
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        first = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+        if first is None or first.device.type not in ("cpu", "cuda"):
+            return function(*args, **kwargs)  # no autocast there (meta tensors: shapes only)
+        with torch.autocast(first.device.type, enabled=False):
+            return function(*args, **kwargs)
+
+    return wrapped
 
 
 def tokenless_loss(e: torch.Tensor, c: torch.Tensor,

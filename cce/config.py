@@ -137,7 +137,7 @@ DENSE_MAX_VOCAB = 65536
 
 def dense_chunk_tokens(vocab_size: int) -> int:
     """Tokens per chunk of the dense path's float32 logits."""
-    return max(1, _DENSE_SCRATCH_BYTES // (4 * max(vocab_size, 1)))
+    return max(1, _DENSE_SCRATCH_BYTES // (4 * vocab_size))
 
 
 # Read once, when cce is imported: Triton decides when a kernel is decorated, at import, and the

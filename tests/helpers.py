@@ -289,3 +289,21 @@ def saved_figure_titles() -> Iterator[list[str]]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Figure, "savefig", recording_save)
         yield titles
+
+
+def pytorch_errors(inputs: Inputs, grad_output: torch.Tensor, ref: Result) -> "dict[str, float]":
+    """Relative errors of F.cross_entropy on the logits ``e @ c.T`` in the inputs' dtype (float32
+    logits for float32 inputs, bfloat16 logits for 16-bit ones), as a PyTorch training step
+    computes them."""
+    e = inputs.e.detach().requires_grad_()
+    c = inputs.c.detach().requires_grad_()
+    loss = torch.nn.functional.cross_entropy((e @ c.T).float(), inputs.targets, reduction="none")
+    grad_e, grad_c = torch.autograd.grad(loss, [e, c], grad_output)
+    return {"loss": relative_error(loss, ref.loss), "grad_e": relative_error(grad_e, ref.grad_e),
+            "grad_c": relative_error(grad_c, ref.grad_c)}
+
+
+def same_non_finite(x: torch.Tensor, expected: torch.Tensor) -> bool:
+    """NaN, +inf and -inf at the same places."""
+    return all(torch.equal(test(x), test(expected))
+               for test in (torch.isnan, torch.isposinf, torch.isneginf))

@@ -18,13 +18,13 @@ from typing import Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import cce
 from tests.helpers import (D, DTYPE_IDS, DTYPES, INTERPRETER_NON_FINITE_WARNINGS, N, V, Inputs,
                            assert_matches, check, confident_inputs, make_grad_output,
-                           make_inputs, run, run_reference, tolerances)
+                           make_inputs, pytorch_errors, run, run_reference, same_non_finite,
+                           tolerances)
 from tests.reference import Result, reference, relative_error
 
 IMPLS = ("cce", "torch", "chunked")
@@ -366,18 +366,6 @@ def test_filter_correction_is_off_with_softcap(device: str, gen: torch.Generator
 CONFIDENT_SHAPE = (4096, 131072, 256) if torch.cuda.is_available() else (64, 700, 64)
 
 
-def pytorch_errors(inputs: Inputs, grad_output: torch.Tensor, ref: Result) -> "dict[str, float]":
-    """Relative errors of F.cross_entropy on the logits ``e @ c.T`` in the inputs' dtype (float32
-    logits for float32 inputs, bfloat16 logits for 16-bit ones), as a PyTorch training step
-    computes them."""
-    e = inputs.e.detach().requires_grad_()
-    c = inputs.c.detach().requires_grad_()
-    loss = F.cross_entropy((e @ c.T).float(), inputs.targets, reduction="none")
-    grad_e, grad_c = torch.autograd.grad(loss, [e, c], grad_output)
-    return {"loss": relative_error(loss, ref.loss), "grad_e": relative_error(grad_e, ref.grad_e),
-            "grad_c": relative_error(grad_c, ref.grad_c)}
-
-
 @pytest.mark.parametrize("complement", [1e-3, 1e-6, 1e-9], ids=["1e-3", "1e-6", "1e-9"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("impl, options", [("cce", {}), ("cce", {"deterministic": True}),
@@ -413,12 +401,6 @@ def test_confident_rows_are_as_accurate_as_pytorch(impl: str, options: dict, dty
 # --- Non-finite inputs ------------------------------------------------------------------------
 
 
-def _same_non_finite(x: torch.Tensor, expected: torch.Tensor) -> bool:
-    """NaN, +inf and -inf at the same places."""
-    return all(torch.equal(test(x), test(expected))
-               for test in (torch.isnan, torch.isposinf, torch.isneginf))
-
-
 @INTERPRETER_NON_FINITE_WARNINGS
 @pytest.mark.parametrize("dtype, bad_value",
                          [(torch.float32, math.nan), (torch.bfloat16, math.inf),
@@ -442,7 +424,7 @@ def test_non_finite_rows_propagate_like_pytorch(impl: str, dtype: torch.dtype,
     bad[bad_row] = True
     assert torch.equal(torch.isnan(torch_result.loss), bad)
     for name in ("loss", "lse", "grad_e", "grad_c"):
-        assert _same_non_finite(getattr(result, name), getattr(torch_result, name)), name
+        assert same_non_finite(getattr(result, name), getattr(torch_result, name)), name
 
     good_inputs = Inputs(inputs.e[~bad], inputs.c, inputs.targets[~bad])
     ref = run_reference(good_inputs, grad_output[~bad], reduction="none")

@@ -31,7 +31,7 @@ import cce
 from cce.reference import chunked_torch
 from cce.config import interpreting
 from tests.helpers import (DTYPE_IDS, DTYPES, N, V, Inputs, make_grad_output, make_inputs, run,
-                           run_reference)
+                           run_reference, same_non_finite)
 from tests.reference import Result, relative_error
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -199,12 +199,6 @@ def test_no_tensor_larger_than_a_chunk_of_logits(device: str, gen: torch.Generat
 # --- Non-finite inputs, as in PyTorch --------------------------------------------------------
 
 
-def _same_non_finite(x: torch.Tensor, expected: torch.Tensor) -> bool:
-    """NaN, +inf and -inf at the same places."""
-    return all(torch.equal(test(x), test(expected))
-               for test in (torch.isnan, torch.isposinf, torch.isneginf))
-
-
 @with_chunking
 @pytest.mark.parametrize("dtype, bad_value, ignored",
                          [(torch.float32, math.nan, False), (torch.bfloat16, math.inf, False),
@@ -228,7 +222,7 @@ def test_non_finite_row_propagates_like_pytorch(dtype: torch.dtype, bad_value: f
 
     assert not torch.isfinite(torch_result.grad_c).any()
     for name in ("loss", "lse", "grad_e", "grad_c", "grad_bias"):
-        assert _same_non_finite(getattr(result, name), getattr(torch_result, name)), name
+        assert same_non_finite(getattr(result, name), getattr(torch_result, name)), name
     good = torch.arange(N, device=device) != bad_row
     good_inputs = Inputs(inputs.e[good], inputs.c, inputs.targets[good], inputs.bias)
     ref = run_reference(good_inputs, grad_output[good], grad_output[good], reduction="none")

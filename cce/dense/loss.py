@@ -15,12 +15,11 @@ options whose gradient is that (no softcap, label smoothing or entropy: :func:`d
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
+from cce.autograd import differentiable_once, needs_gradient, tokenless_loss, without_autocast
 from cce.config import DENSE_MAX_VOCAB, check_interpreter_usable, dense_chunk_tokens
 from cce.dense.softmax_gradient import softmax_gradient
 from cce.weighting import LossWeighting, TokenOutputs, lse_and_cross_entropy
@@ -45,19 +44,8 @@ def _float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
-def _without_autocast(op):
-    """``op`` with autocast off on its inputs' device: the loss casts e, c and bias once
-    (:func:`cce.loss._cast_as_linear_would`), and the ops' products must keep the dtypes they
-    ask for (autocast would round the float32 logits to 16 bits)."""
-    @functools.wraps(op)
-    def without_autocast(e: torch.Tensor, *args, **kwargs):
-        with torch.autocast(e.device.type, enabled=False):
-            return op(e, *args, **kwargs)
-    return without_autocast
-
-
 @torch.library.custom_op("cce::dense_forward", mutates_args=())
-@_without_autocast
+@without_autocast
 def dense_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                   targets: torch.Tensor, weight: Optional[torch.Tensor], needs_grad: bool,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,7 +78,7 @@ def _dense_forward_fake(e, c, bias, targets, weight, needs_grad):
 
 
 @torch.library.custom_op("cce::dense_backward", mutates_args=())
-@_without_autocast
+@without_autocast
 def dense_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                    targets: torch.Tensor, weight: Optional[torch.Tensor],
                    gradient: torch.Tensor, grad_loss: Optional[torch.Tensor],
@@ -102,11 +90,10 @@ def dense_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor
         grad_loss if grad_loss is not None else torch.zeros(targets.shape, device=e.device),
         targets, c.shape[0])
     softmax_scale, target_scale = scales.softmax, scales.target
-    with_target = targets >= 0
     if grad_lse is not None:
         softmax_scale = softmax_scale + grad_lse.float()
     # r: the LSE's upstream gradient at rows with a target (None: no such term).
-    onehot_scale = (torch.where(with_target, softmax_scale - target_scale, 0.0)
+    onehot_scale = (torch.where(targets >= 0, softmax_scale - target_scale, 0.0)
                     if grad_lse is not None else None)
     # dC's product takes the rows of E times their scales, rounded once to e's dtype, a power of
     # two apart so that 16-bit e keeps its range; the output is scaled back exactly.

@@ -18,13 +18,12 @@ float32 accumulation error remains, as in the Triton kernels. A
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from cce.autograd import differentiable_once
+from cce.autograd import differentiable_once, without_autocast
 from cce.weighting import (LossWeighting, TokenOutputs, entropy_and_gradient_terms,
                            lse_and_cross_entropy, target_complement, target_entry)
 
@@ -70,21 +69,6 @@ def _chunk_logits(e32: torch.Tensor, c32: torch.Tensor, bias32: Optional[torch.T
     return capped * softcap, capped
 
 
-def _without_autocast(method):
-    """Runs ``method`` with autocast off on its tensors' device: the chunks multiply float32
-    copies, which a caller's autocast would round back to 16 bits."""
-
-    @functools.wraps(method)
-    def wrapped(*args):
-        first = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
-        if first is None or first.device.type not in ("cpu", "cuda"):
-            return method(*args)  # no autocast there (meta tensors: shapes only)
-        with torch.autocast(first.device.type, enabled=False):
-            return method(*args)
-
-    return wrapped
-
-
 def _softmax_entropy(logits: torch.Tensor, lse: torch.Tensor,
                      has_target: torch.Tensor) -> torch.Tensor:
     """The entropy of each row's softmax, ``sum_v w_v (lse - z_v)`` with ``w = exp(z - lse)``,
@@ -113,7 +97,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    @_without_autocast
+    @without_autocast
     def forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, softcap: Optional[float], weight: Optional[torch.Tensor],
                 label_smoothing: float, entropy: bool = False, argmax: bool = False):
@@ -188,7 +172,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             gradients, (e, c, bias, grad_loss, grad_lse, grad_entropy)) + (None,) * 6
 
     @staticmethod
-    @_without_autocast
+    @without_autocast
     def _gradients(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
                    grad_entropy: Optional[torch.Tensor]):
         """(dE, dC, dbias), None where not needed; a None upstream gradient is 0."""
