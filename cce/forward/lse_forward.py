@@ -216,7 +216,6 @@ def lse_forward_kernel(operands, e_desc, c_desc, launch, record, left_out, resul
             known_lower = lower_bound_of_sum(known_lower, tl.load(
                 record.head_lse + rows, mask=row_mask, other=float("-inf")), LEAVES_OUT)
     if LEAVES_OUT:
-        left_out_positions = tl.load(left_out.positions + rows, mask=row_mask, other=-1)
         left_out_tiles = left_out.tiles + token_block * tl.cdiv(vocab_size, BLOCK_VOCAB)
         next_holds = tl.load(left_out_tiles + first_vocab_block,
                              mask=first_vocab_block < last_vocab_block, other=0).to(tl.int32)
@@ -271,12 +270,14 @@ def lse_forward_kernel(operands, e_desc, c_desc, launch, record, left_out, resul
                                                   tile_index)
         if LEAVES_OUT:
             # So do the left-out entries, in the few tiles that hold one (a tile's flag is loaded
-            # one tile ahead). A select on every tile instead costs up to 5% more forward time
-            # (docs/notes/forward.md, "Leaving the target out").
+            # one tile ahead, the positions only there: kept in registers through the loop they
+            # cost 3% more forward time at D = 640, a select on every tile 5%; docs/notes/
+            # forward.md, "Leaving the target out").
             holds = next_holds
             next_holds = tl.load(left_out_tiles + vocab_block + 1,
                                  mask=vocab_block + 1 < last_vocab_block, other=0).to(tl.int32)
             if holds != 0:
+                left_out_positions = tl.load(left_out.positions + rows, mask=row_mask, other=-1)
                 logits = tl.where((vocab_block * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB))[None, :]
                                   != left_out_positions[:, None], logits, float("-inf"))
         if RECORD_TILE_BOUND and RECORDS_PER_TILE == 2:
