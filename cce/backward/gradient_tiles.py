@@ -65,21 +65,21 @@ class TileChoice(NamedTuple):
     vocabulary block of the chunk, ``counts`` token blocks from slot ``first_slots[block]``).
     ``kept_mass``: see :func:`gradient_tiles`."""
 
-    num_vocab_blocks: int
+    scratch: ScratchView
+    flags: Optional[torch.Tensor]
+    kept_mass: Optional[torch.Tensor]
+    first_slots: Optional[torch.Tensor]
     first_token_block: int
     first_vocab_block: int
     chunk_token_blocks: int
     chunk_vocab_blocks: int
     live_tiles: Optional[torch.Tensor]
+    num_vocab_blocks: int  # the width of the grid that live_tiles and slot_map index
     slot_map: Optional[torch.Tensor]
-    first_slots: Optional[torch.Tensor]
     lists: Optional[torch.Tensor]
     counts: Optional[torch.Tensor]
     list_stride: int
     longest_list: int
-    scratch: ScratchView
-    flags: Optional[torch.Tensor]
-    kept_mass: Optional[torch.Tensor]
 
 
 @triton.jit
@@ -179,7 +179,7 @@ class RecomputeInputs(NamedTuple):
     entropy: Optional[EntropyTerm] = None
 
 
-def gradient_tiles(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
+def gradient_tiles(recompute: RecomputeInputs, live_tiles: Optional[torch.Tensor],
                    flags: torch.Tensor, scratch: Scratch, token_blocks: range,
                    vocab_blocks: range, configs: KernelConfigs, *,
                    kept_mass: Optional[torch.Tensor] = None,
@@ -192,22 +192,22 @@ def gradient_tiles(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
     (int32, first element) at the scratch's start. Adds the softmax mass of the stored tiles
     off the targets to ``kept_mass`` (int64 (N,), module docstring) when given. ``configs``:
     the backward's kernel settings (:func:`cce.config.kernel_configs`)."""
-    _launch(inputs, live_tiles, flags, scratch, token_blocks, vocab_blocks, configs,
+    _launch(recompute, live_tiles, flags, scratch, token_blocks, vocab_blocks, configs,
             kept_mass=kept_mass, slot_map=slot_map, first_slot=first_slot)
 
 
-def listed_gradient_tiles(inputs: RecomputeInputs, scratch: Scratch, tile_lists: TileLists,
+def listed_gradient_tiles(recompute: RecomputeInputs, scratch: Scratch, tile_lists: TileLists,
                           longest_list: int, vocab_blocks: range, configs: KernelConfigs, *,
                           kept_mass: Optional[torch.Tensor] = None) -> None:
     """Pass 2: store the listed tiles of ``vocab_blocks`` (``tile_lists``: per vocabulary block,
     the token blocks to store; ``longest_list``: at least the longest of those lists), each in
     its slot; tiles the filter drops are stored as zeros. ``kept_mass`` (when this is the
     backward's only recompute): as in :func:`gradient_tiles`."""
-    _launch(inputs, None, None, scratch, range(0), vocab_blocks, configs, tile_lists=tile_lists,
+    _launch(recompute, None, None, scratch, range(0), vocab_blocks, configs, tile_lists=tile_lists,
             longest_list=longest_list, kept_mass=kept_mass)
 
 
-def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
+def _launch(recompute: RecomputeInputs, live_tiles: Optional[torch.Tensor],
             flags: Optional[torch.Tensor], scratch: Scratch, token_blocks: range,
             vocab_blocks: range, configs: KernelConfigs, *,
             tile_lists: Optional[TileLists] = None, longest_list: int = 1,
@@ -216,7 +216,7 @@ def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
             first_slot: Optional[torch.Tensor] = None) -> None:
     listed = tile_lists is not None
     grid = configs.live_grid
-    if listed and inputs.softcap is not None:
+    if listed and recompute.softcap is not None:
         config = configs.softcap_listed_gradient_tiles
     else:
         config = configs.gradient_tiles
@@ -225,7 +225,7 @@ def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
     if programs == 0:
         return
     tiles = TileChoice(
-        num_vocab_blocks=triton.cdiv(inputs.c.shape[0], grid.block_vocab),
+        num_vocab_blocks=triton.cdiv(recompute.c.shape[0], grid.block_vocab),
         first_token_block=token_blocks.start, first_vocab_block=vocab_blocks.start,
         chunk_token_blocks=len(token_blocks), chunk_vocab_blocks=len(vocab_blocks),
         live_tiles=live_tiles, slot_map=slot_map,
@@ -235,21 +235,21 @@ def _launch(inputs: RecomputeInputs, live_tiles: Optional[torch.Tensor],
         list_stride=tile_lists.lists.stride(0) if listed else 0, longest_list=longest_list,
         scratch=scratch.view, flags=flags, kept_mass=kept_mass)
     gradient_tiles_kernel[(programs,)](
-        tile_operands(inputs), tiles, SEGMENTS_PER_PAGE=scratch.segments_per_page,
+        tile_operands(recompute), tiles, SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=configs.dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
-def tile_operands(inputs: RecomputeInputs) -> TileOperands:
-    """The recompute kernel's view of ``inputs``."""
-    e, c, softcap, rank_one = inputs.e, inputs.c, inputs.softcap, inputs.rank_one
+def tile_operands(recompute: RecomputeInputs) -> TileOperands:
+    """The recompute kernel's view of ``recompute``."""
+    e, c, softcap, rank_one = recompute.e, recompute.c, recompute.softcap, recompute.rank_one
     # Without a softcap the tiles hold nothing of the rank-one term.
     uniform = (rank_one if rank_one is not None and softcap is not None
                else RankOneTerm(None, None))
     return TileOperands(
-        logits=logit_operands(e, c, inputs.bias, inputs.vocab_order, softcap),
-        target_positions=inputs.target_positions, lse=inputs.lse, prob_scale=inputs.prob_scale,
-        target_entry=inputs.target_entry, uniform=uniform,
-        entropy=inputs.entropy or EntropyTerm(None, None), filter_eps=inputs.filter_eps)
+        logits=logit_operands(e, c, recompute.bias, recompute.vocab_order, softcap),
+        target_positions=recompute.target_positions, lse=recompute.lse,
+        prob_scale=recompute.prob_scale, target_entry=recompute.target_entry, uniform=uniform,
+        entropy=recompute.entropy or EntropyTerm(None, None), filter_eps=recompute.filter_eps)

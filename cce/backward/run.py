@@ -116,8 +116,9 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
         if plan.pass_two is not None:
             classifier = plan_pass_two(plan.pass_two, listed)
     if classifier is not None:
-        # Pass 1's tiles survived the filter already: the same recompute needs no test.
-        inputs = recompute if classifier.filters else recompute._replace(filter_eps=None)
+        if not classifier.filters:
+            # Pass 1's tiles survived the filter already: the same recompute needs no test.
+            recompute = recompute._replace(filter_eps=None)
         spare = None
         for chunk in classifier.chunks:
             scratch = chunk.scratch
@@ -127,7 +128,7 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
                 scratch = spare
             chunk_lists = classifier.tile_lists.rows(chunk.vocab_blocks)
             if chunk.recomputes:
-                listed_gradient_tiles(inputs, scratch, chunk_lists, chunk.longest_list,
+                listed_gradient_tiles(recompute, scratch, chunk_lists, chunk.longest_list,
                                       chunk.vocab_blocks, configs)
             gradient_times_classifier(scratch, chunk_lists, e, vocab_order, grad_c, grad_bias,
                                       chunk.vocab_blocks, classifier.product,
