@@ -1,7 +1,8 @@
 """The dense path's pass over materialized logits: per row, the log-sum-exp of the non-target
 logits and the target's logit (as the indexed dot and the LSE forward give them, so that rows
 where the model is sure keep ``1 - p_y`` to float32 precision, :mod:`cce.weighting`), and the
-gradient of the logits ``p - onehot`` (NaN on a row with a +inf logit, as in PyTorch), written in the inputs' 16- or 32-bit dtype.
+gradient of the logits ``p - onehot`` (NaN on a row with a +inf logit, as in PyTorch), written
+in the inputs' 16- or 32-bit dtype.
 
 One program per row reads its logits twice: a running log-sum-exp with the target left out,
 then the softmax, whose entry at the target is ``-(1 - p_y) = -exp(O - L)``. The second read
@@ -17,14 +18,8 @@ import triton
 import triton.language as tl
 
 from cce.config import dot_precision, kernel_configs
+from cce.forward.lse_forward import exp_shift, log_add_exp
 from cce.logit_tile import round_to
-
-
-@triton.jit
-def _finite_or_zero(x):
-    # The shift of a log-sum-exp: 0 where the maximum is infinite, so that exp(z - shift) gives
-    # inf for a +inf logit and 0 for a row of -inf, not NaN.
-    return tl.where((x == float("inf")) | (x == float("-inf")), 0.0, x)
 
 
 @triton.jit
@@ -53,15 +48,14 @@ def softmax_gradient_kernel(logits_ptr, bias_ptr, targets_ptr, other_lse_ptr, ta
         is_target = columns == target
         target_logit = tl.maximum(target_logit, tl.max(tl.where(is_target, z, float("-inf"))))
         z = tl.where(is_target, float("-inf"), z)
-        new_shift = _finite_or_zero(tl.maximum(shift, tl.max(z)))
+        new_shift = exp_shift(tl.maximum(shift, tl.max(z)))
         total = total * tl.exp(shift - new_shift) + tl.sum(tl.exp(z - new_shift))
         shift = new_shift
     other_lse = shift + tl.log(total)
     tl.store(other_lse_ptr + row, other_lse)
     tl.store(target_logit_ptr + row, target_logit)
     if gradient_ptr is not None:
-        top = _finite_or_zero(tl.maximum(other_lse, target_logit))
-        lse = top + tl.log(tl.exp(other_lse - top) + tl.exp(target_logit - top))
+        lse = log_add_exp(other_lse, target_logit)
         complement = tl.exp(other_lse - lse)
         # A row with a +inf logit has a NaN gradient everywhere, as PyTorch's log_softmax gives.
         poison = tl.where(lse == float("inf"), float("nan"), 0.0)
