@@ -307,3 +307,16 @@ def same_non_finite(x: torch.Tensor, expected: torch.Tensor) -> bool:
     """NaN, +inf and -inf at the same places."""
     return all(torch.equal(test(x), test(expected))
                for test in (torch.isnan, torch.isposinf, torch.isneginf))
+
+
+def autograd_functions(output: torch.Tensor) -> "set[str]":
+    """The names of every node of ``output``'s autograd graph (which path computed it)."""
+    names, stack, seen = set(), [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names

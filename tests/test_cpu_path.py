@@ -30,8 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cce
 from cce.reference import chunked_torch
 from cce.config import interpreting
-from tests.helpers import (DTYPE_IDS, DTYPES, N, V, Inputs, make_grad_output, make_inputs, run,
-                           run_reference, same_non_finite)
+from tests.helpers import (DTYPE_IDS, DTYPES, N, V, Inputs, autograd_functions, make_grad_output,
+                           make_inputs, run, run_reference, same_non_finite)
 from tests.reference import Result, relative_error
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -234,23 +234,12 @@ def test_non_finite_row_propagates_like_pytorch(dtype: torch.dtype, bad_value: f
 # --- Which path impl="cce" takes -------------------------------------------------------------
 
 
-def _graph_functions(tensor: torch.Tensor) -> "set[str]":
-    """Names of the autograd functions that ``tensor`` was computed by."""
-    names, stack = set(), [tensor.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is not None and type(node).__name__ not in names:
-            names.add(type(node).__name__)
-            stack += [next_node for next_node, _ in node.next_functions]
-    return names
-
-
 @pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (CPU-only machines)")
 def test_default_runs_the_kernels_on_cpu_when_interpreting(gen: torch.Generator) -> None:
     """With TRITON_INTERPRET=1 (as the kernel tests set it), CPU tensors run the kernels."""
     inputs = make_inputs(gen, "cpu", torch.float32)
     e = inputs.e.requires_grad_()
-    functions = _graph_functions(cce.linear_cross_entropy(e, inputs.c, inputs.targets))
+    functions = autograd_functions(cce.linear_cross_entropy(e, inputs.c, inputs.targets))
     assert "_LinearCrossEntropyBackward" in functions
 
 

@@ -13,27 +13,14 @@ import pytest
 import torch
 
 import cce
-from tests.helpers import (INTERPRETER_NON_FINITE_WARNINGS, Inputs, check, confident_inputs,
-                           make_grad_output, make_inputs, pytorch_errors, run, run_reference,
-                           same_non_finite, tolerances)
+from tests.helpers import (INTERPRETER_NON_FINITE_WARNINGS, Inputs, autograd_functions, check,
+                           confident_inputs, make_grad_output, make_inputs, pytorch_errors, run,
+                           run_reference, same_non_finite, tolerances)
 from tests.reference import relative_error
 
 
-def autograd_nodes(output: torch.Tensor) -> "set[str]":
-    """The names of every node of ``output``'s autograd graph."""
-    names, stack, seen = set(), [output.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return names
-
-
 def takes_dense_path(loss: torch.Tensor) -> bool:
-    return any("Dense" in name for name in autograd_nodes(loss))
+    return any("Dense" in name for name in autograd_functions(loss))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
