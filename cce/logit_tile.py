@@ -232,25 +232,31 @@ def logit_gradient_tile(
     probs = tl.exp2(logits * LOG2_E - scaled_lse[:, None])
     if holds_padding(vocab_block, operands.logits.vocab_size, BLOCK_VOCAB):
         probs = tl.where(vocab_mask[None, :], probs, 0.0)
-    # Targets are found by position, not by vocabulary index: positions are a range, which
-    # the compiler rebuilds from the thread index instead of holding it in registers.
     first_position = vocab_block * BLOCK_VOCAB
-    is_target = (first_position + tl.arange(0, BLOCK_VOCAB))[None, :] == target_positions[:, None]
+    holds_target = ((target_positions >= first_position)
+                    & (target_positions < first_position + BLOCK_VOCAB))
     keep = True
     if operands.filter_eps is not None:
         # Some entry of S - onehot is at least filter_eps: a softmax entry, or a target (kept
         # even within filter_eps of 1: one test per row instead of one per entry), or any entry
         # of a row whose LSE is not finite (NaN and inf inputs propagate as in PyTorch).
-        row_keeps = (((target_positions >= first_position)
-                      & (target_positions < first_position + BLOCK_VOCAB))
-                     | (lse - lse != 0.0))
+        row_keeps = holds_target | (lse - lse != 0.0)
         keep = (tl.max(probs) >= operands.filter_eps) | (tl.max(row_keeps.to(tl.int32)) > 0)
     if ENTROPY:
         softmax_factor = (prob_scale[:, None]
                           + entropy_scale[:, None] * (logits - mean_logit[:, None]))
     else:
         softmax_factor = prob_scale[:, None]
-    grad = tl.where(is_target, target_entry[:, None], probs * softmax_factor)
+    grad = probs * softmax_factor
+    off_target = probs
+    # Most tiles hold no row's target: they skip the two selects per entry.
+    if tl.max(holds_target.to(tl.int32)) > 0:
+        # Targets are found by position, not by vocabulary index: positions are a range, which
+        # the compiler rebuilds from the thread index instead of holding it in registers.
+        is_target = ((first_position + tl.arange(0, BLOCK_VOCAB))[None, :]
+                     == target_positions[:, None])
+        grad = tl.where(is_target, target_entry[:, None], grad)
+        off_target = tl.where(is_target, 0.0, probs)
     if HAS_SOFTCAP:
         capped = logits / softcap  # tanh of the pre-cap logit
         grad = grad * (1.0 - capped * capped)
@@ -263,4 +269,4 @@ def logit_gradient_tile(
                 curvature *= tl.load(operands.uniform.weight + vocab, mask=vocab_mask,
                                      other=0.0)[None, :]
             grad -= curvature
-    return grad, keep, tl.sum(tl.where(is_target, 0.0, probs), axis=1)
+    return grad, keep, tl.sum(off_target, axis=1)
