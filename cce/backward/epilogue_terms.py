@@ -45,8 +45,9 @@ class FilterCorrection(NamedTuple):
             # Not torch.sum: on a GPU, its reduction over the rows stages partial sums in
             # buffers of 120-270 MB at these shapes (H200, measured).
             row_sum = classifier_sums.classifier_sums(c).row_sum
-        kept_mass = torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device)
-        if counted_mass is not None:
+        if counted_mass is None:
+            kept_mass = torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device)
+        else:
             # Starting from the mass the tiles do not add up (the target's, the other shards'),
             # 1 - kept mass is what the filter dropped: exactly, in fixed point, however close
             # to 1 the target's probability is. (A NaN row's gradient is NaN through its tiles
