@@ -315,6 +315,23 @@ def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
 loss_forward.register_autograd(_loss_forward_backward, setup_context=_loss_forward_setup_context)
 
 
+def _vmap_sample_by_sample(op) -> None:
+    """Give ``op`` a vmap rule: the op on each sample in turn, its outputs stacked. The kernels
+    take one batch of tokens, so this is what PyTorch's fallback does, without its warning."""
+
+    def rule(info, in_dims, *args, **kwargs):
+        samples = [op(*(arg if dim is None else arg.select(dim, index)
+                        for arg, dim in zip(args, in_dims)), **kwargs)
+                   for index in range(info.batch_size)]
+        return tuple(torch.stack(outputs) for outputs in zip(*samples)), (0,) * len(samples[0])
+
+    op.register_vmap(rule)
+
+
+_vmap_sample_by_sample(loss_forward)
+_vmap_sample_by_sample(loss_backward)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """:func:`loss_forward` with its registered autograd formula, as an autograd.Function: the
     public path when gradients are needed, since torch.func's transforms cannot yet
