@@ -1,5 +1,6 @@
 """Autograd plumbing shared by the paths: whether a backward follows, outputs of no tokens,
-gradients that are differentiable once and say so, and functions that autocast must not touch.
+gradients that are differentiable once and say so, functions that autocast must not touch, and
+the custom ops' vmap rule.
 
 A custom autograd function whose backward records no graph returns gradients without a
 ``grad_fn`` under ``create_graph=True``; a term built on them (a gradient penalty) would then
@@ -86,3 +87,17 @@ class _RaiseWhenDifferentiated(torch.autograd.Function):
             "cce.linear_cross_entropy is differentiable once: its gradients have no gradient "
             "of their own, so double backward (create_graph=True, e.g. a gradient penalty) is "
             "not supported")
+
+
+def vmap_sample_by_sample(op: torch._library.custom_ops.CustomOpDef) -> None:
+    """Give the custom op ``op`` (which returns a tuple of tensors) a vmap rule: the op on each
+    sample in turn, its outputs stacked. The kernels take one batch of tokens, so this is what
+    PyTorch's fallback does, without its warning."""
+
+    def rule(info, in_dims, *args, **kwargs):
+        samples = [op(*(arg if dim is None else arg.select(dim, index)
+                        for arg, dim in zip(args, in_dims)), **kwargs)
+                   for index in range(info.batch_size)]
+        return tuple(torch.stack(outputs) for outputs in zip(*samples)), (0,) * len(samples[0])
+
+    op.register_vmap(rule)

@@ -24,7 +24,8 @@ from cce.backward.gradient_tiles import RecomputeInputs
 from cce.forward.indexed_dot import indexed_dot
 from cce.forward.lse_forward import lse_forward
 from cce.forward.plan import ForwardPlan, forward_outputs, plan_forward
-from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
+from cce.autograd import (differentiable_once, needs_gradient, tokenless_loss,
+                          vmap_sample_by_sample)
 from cce.backward.live_tiles import live_tiles
 from cce.forward.vocab_order import sort_vocabulary, target_positions
 from cce.weighting import (EntropyTerm, LossWeighting, RankOneTerm, TokenOutputs,
@@ -315,21 +316,8 @@ def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
 loss_forward.register_autograd(_loss_forward_backward, setup_context=_loss_forward_setup_context)
 
 
-def _vmap_sample_by_sample(op) -> None:
-    """Give ``op`` a vmap rule: the op on each sample in turn, its outputs stacked. The kernels
-    take one batch of tokens, so this is what PyTorch's fallback does, without its warning."""
-
-    def rule(info, in_dims, *args, **kwargs):
-        samples = [op(*(arg if dim is None else arg.select(dim, index)
-                        for arg, dim in zip(args, in_dims)), **kwargs)
-                   for index in range(info.batch_size)]
-        return tuple(torch.stack(outputs) for outputs in zip(*samples)), (0,) * len(samples[0])
-
-    op.register_vmap(rule)
-
-
-_vmap_sample_by_sample(loss_forward)
-_vmap_sample_by_sample(loss_backward)
+vmap_sample_by_sample(loss_forward)
+vmap_sample_by_sample(loss_backward)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from cce.autograd import differentiable_once, needs_gradient, tokenless_loss, without_autocast
+from cce.autograd import (differentiable_once, needs_gradient, tokenless_loss,
+                          vmap_sample_by_sample, without_autocast)
 from cce.config import DENSE_MAX_VOCAB, check_interpreter_usable, dense_chunk_tokens
 from cce.dense.softmax_gradient import softmax_gradient
 from cce.weighting import LossWeighting, TokenOutputs, lse_and_cross_entropy
@@ -155,6 +156,8 @@ def _backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.T
 
 
 dense_forward.register_autograd(_backward, setup_context=_setup_context)
+vmap_sample_by_sample(dense_forward)
+vmap_sample_by_sample(dense_backward)
 
 
 class _DenseLinearCrossEntropy(torch.autograd.Function):
