@@ -337,8 +337,10 @@ def _canonical_targets(targets: torch.Tensor, ignore_index: int, shift: int,
         valid = valid | (as_int64 < 0)
     if shift:
         valid = valid & (torch.arange(targets.shape[-1], device=targets.device) >= shift)
-    out_of_range = valid & ((as_int64 < 0) | (as_int64 >= vocab_size))
-    canonical = torch.where(valid & ~out_of_range, as_int64, -1)
+    # Few operations: before the loss's kernels are queued, the host's time is the GPU's wait.
+    kept = valid & (as_int64.clamp(0, vocab_size - 1) == as_int64)
+    out_of_range = valid ^ kept
+    canonical = torch.where(kept, as_int64, -1)
     if shift:
         ignored_tail = torch.full_like(canonical[..., :shift], -1)
         canonical = torch.cat([canonical[..., shift:], ignored_tail], dim=-1)
