@@ -229,6 +229,10 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest) -> Backw
               if request.needs_grad_c else None)
     grad_bias = (torch.empty_like(recompute.bias)
                  if request.needs_grad_c and recompute.bias is not None else None)
+    grad_e = (torch.empty(e.shape, dtype=request.grad_e_dtype or e.dtype, device=e.device)
+              if request.needs_grad_e else None)
+    # Each host sync below is planned around: what does not depend on the lengths it reads is
+    # decided before it, while the GPU still has work; after it, the GPU waits for the host.
     correction = one_pass = None
     if (request.needs_grad_e and request.needs_grad_c and problem.host_may_sync
             and (request.keep_tiles or _one_pass_may_pay(problem, grad_c))):
@@ -237,20 +241,19 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest) -> Backw
         # Queued behind the copy of the list lengths: the GPU runs it while the host plans.
         correction = _correction(recompute, request)
         one_pass = _one_pass_plan(problem, listed, table, grad_c)
-    grad_e = (torch.empty(e.shape, dtype=request.grad_e_dtype or e.dtype, device=e.device)
-              if request.needs_grad_e else None)
     pass_one = classifier = pass_two = None
     if one_pass is not None:
         classifier = one_pass.classifier
-    elif request.needs_grad_e:
-        pass_one, correction = _pass_one_plan(problem, grad_c, correction)
-    if one_pass is None and request.needs_grad_c:
+    elif request.needs_grad_c:
         pass_two = PassTwoSizing(problem.configs, grad_c, recompute.vocab_order,
                                  problem.spare_bytes, _classifier_product(
                                      problem, grad_c if rows_can_hold_segments(
                                          grad_c, problem.configs.live_grid.block_vocab)
                                      else None),
                                  filters=not request.needs_grad_e)
+    if one_pass is None and request.needs_grad_e:
+        pass_one, correction = _pass_one_plan(problem, grad_c, correction)
+    if pass_two is not None:
         if pass_one is None:  # no pass 1: the live tiles, filtered in pass 2
             classifier = _pass_two_plan(pass_two, ListedTiles.of(problem.live_table(),
                                                                  problem.host_may_sync))
@@ -341,14 +344,18 @@ def _one_pass_plan(problem: _Problem, listed: ListedTiles, table: torch.Tensor,
     grid = problem.configs.live_grid
     vocab_size, dim = grad_c.shape
     tile_lists, read_lengths = listed
-    tiles_per_block = read_lengths()
     num_token_blocks, num_vocab_blocks = problem.grid_shape
+    keep_tiles = problem.request.keep_tiles
+    # Before the lengths' read: the GPU builds the map while the host waits.
+    slot_map = _slot_map(tile_lists, transposed=True)
+    embeddings_product = _embeddings_product(problem, num_token_blocks, True, 0)
+    classifier_product = _classifier_product(problem, None if keep_tiles else grad_c)
+    tiles_per_block = read_lengths()
     spare_tiles = _spare_tiles(tiles_per_block, grad_c, grid, problem.spare_bytes)
-    if problem.request.keep_tiles:
+    if keep_tiles:
         scratch = Scratch.dedicated(max(int(tiles_per_block.sum()), 1) * grid.block_tokens,
                                     grid.block_vocab, grad_c.dtype, grad_c.device)
         chunks = [(range(num_vocab_blocks), False)]
-        pages = None
     else:
         placed = _one_pass_chunks(tiles_per_block, vocab_size, dim, grid.block_tokens,
                                   grid.block_vocab, spare_tiles)
@@ -359,17 +366,15 @@ def _one_pass_plan(problem: _Problem, listed: ListedTiles, table: torch.Tensor,
         rows = _position_rows(problem.recompute.vocab_order, vocab_size,
                               grad_c.device)[first_position:]
         scratch = Scratch.in_rows(grad_c, rows, grid.block_vocab)
-        pages = grad_c
     all_vocab_blocks = range(num_vocab_blocks)
     classifier = ClassifierPlan(
         tile_lists, spare_tiles,
         [ClassifierChunk(vocab_blocks, None if in_spare else scratch, in_spare,
                          _longest_list(tiles_per_block, vocab_blocks))
          for vocab_blocks, in_spare in chunks],
-        _classifier_product(problem, pages), filters=True)
+        classifier_product, filters=True)
     return OnePassPlan(table, tile_lists, _longest_list(tiles_per_block, all_vocab_blocks), scratch,
-                       _slot_map(tile_lists, transposed=True),
-                       _embeddings_product(problem, num_token_blocks, True, 0), classifier)
+                       slot_map, embeddings_product, classifier)
 
 
 def _one_pass_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
