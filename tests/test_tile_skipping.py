@@ -44,6 +44,27 @@ def test_vocab_order_sorts_by_average_logit(gen: torch.Generator, device: str) -
     assert bool((average[order].diff() <= 1e-5).all())
 
 
+@pytest.mark.parametrize("sorted_vocabulary", [True, False], ids=["sorted", "unsorted"])
+def test_target_positions_place_each_target_in_the_order(sorted_vocabulary: bool,
+                                                         gen: torch.Generator,
+                                                         device: str) -> None:
+    """Each token's target's position in the order (the target itself without sorting), -1
+    for ignored tokens; sizes past one block of the kernels (1024)."""
+    num_tokens, vocab_size = 1500, 2500
+    targets = torch.randint(0, vocab_size, (num_tokens,), generator=gen)
+    targets[::7] = -1
+    order = torch.randperm(vocab_size, generator=gen).to(torch.int32) if sorted_vocabulary else None
+    positions = target_positions(targets.to(device),
+                                 None if order is None else order.to(device)).cpu()
+    expected = targets.clone()
+    if order is not None:
+        position_of = torch.empty(vocab_size, dtype=torch.int64)
+        position_of[order.long()] = torch.arange(vocab_size)
+        expected = torch.where(targets >= 0, position_of[targets.clamp(min=0)], -1)
+    assert positions.dtype == torch.int32
+    assert torch.equal(positions.long(), expected)
+
+
 def _per_tile_max(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The largest entry of each live-grid tile."""
     grid = kernel_configs(dtype).live_grid
