@@ -77,13 +77,13 @@ def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor])
     if num_tokens == 0:
         return positions
     position_of = None
-    if vocab_order is not None and vocab_order.shape[0]:
+    if vocab_order is not None:
         vocab_size = vocab_order.shape[0]
         position_of = torch.empty_like(vocab_order)
-        invert_order_kernel[(triton.cdiv(vocab_size, _BLOCK),)](
-            vocab_order, position_of, vocab_size, BLOCK=_BLOCK)
+        if vocab_size:  # a vocabulary-parallel shard may hold no rows (and no targets)
+            invert_order_kernel[(triton.cdiv(vocab_size, _BLOCK),)](
+                vocab_order, position_of, vocab_size, BLOCK=_BLOCK)
     target_positions_kernel[(triton.cdiv(num_tokens, _BLOCK),)](
         targets.contiguous(), position_of, positions, num_tokens,
-        SORTED=position_of is not None,
-        BLOCK=_BLOCK)
+        SORTED=vocab_order is not None, BLOCK=_BLOCK)
     return positions
