@@ -33,28 +33,43 @@ class FilterCorrection(NamedTuple):
     prob_scale: torch.Tensor  # float32 (N,), as in cce.logit_tile.logit_gradient_tile
     kept_mass: torch.Tensor  # int64 (N,): fixed point, see cce.backward.gradient_tiles
 
+
+class PendingCorrection(NamedTuple):
+    """The filter correction before the first recompute, which adds to ``kept_mass`` (from
+    zero): :meth:`complete` adds the rest behind that recompute, so the recompute waits for
+    none of it. ``counted_mass``: float32 (N,), each row's softmax mass in the entries that the
+    tiles add up: off the row's target, and only the shard's when c is one shard of the
+    vocabulary (None: all of it, 1). ``row_sum``: float32 (D,) ``c.sum(0)`` where the forward
+    has it (None: read c for it)."""
+
+    kept_mass: torch.Tensor  # int64 (N,)
+    c: torch.Tensor
+    prob_scale: torch.Tensor
+    counted_mass: Optional[torch.Tensor]
+    row_sum: Optional[torch.Tensor]
+
     @classmethod
     def of(cls, c: torch.Tensor, prob_scale: torch.Tensor,
            counted_mass: Optional[torch.Tensor] = None,
-           row_sum: Optional[torch.Tensor] = None) -> "FilterCorrection":
-        """Before pass 1, which adds the kept mass up. ``counted_mass``: float32 (N,), each
-        row's softmax mass in the entries that the tiles add up: off the row's target, and only
-        the shard's when c is one shard of the vocabulary (None: all of it, 1).
-        ``row_sum``: float32 (D,) ``c.sum(0)`` where the forward has it (None: read c here)."""
+           row_sum: Optional[torch.Tensor] = None) -> "PendingCorrection":
+        kept_mass = torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device)
+        return cls(kept_mass, c, prob_scale, counted_mass, row_sum)
+
+    def complete(self) -> FilterCorrection:
+        """The correction, once the first recompute is queued (before the first product)."""
+        row_sum = self.row_sum
         if row_sum is None:
             # Not torch.sum: on a GPU, its reduction over the rows stages partial sums in
             # buffers of 120-270 MB at these shapes (H200, measured).
-            row_sum = classifier_sums.classifier_sums(c).row_sum
-        if counted_mass is None:
-            kept_mass = torch.zeros(prob_scale.shape, dtype=torch.int64, device=c.device)
-        else:
-            # Starting from the mass the tiles do not add up (the target's, the other shards'),
-            # 1 - kept mass is what the filter dropped: exactly, in fixed point, however close
-            # to 1 the target's probability is. (A NaN row's gradient is NaN through its tiles
-            # anyway.)
-            outside = (1 - counted_mass.double().clamp(0, 1)).nan_to_num(0)
-            kept_mass = (outside * KEPT_MASS_ONE.value).long()
-        return cls(row_sum / c.shape[0], prob_scale, kept_mass)
+            row_sum = classifier_sums.classifier_sums(self.c).row_sum
+        if self.counted_mass is not None:
+            # The mass the tiles do not add up (the target's, the other shards'): 1 - kept mass
+            # is then what the filter dropped, exactly, in fixed point, however close to 1 the
+            # target's probability is. Integers: the same sum whatever the order of the adds.
+            # (A NaN row's gradient is NaN through its tiles anyway.)
+            outside = (1 - self.counted_mass.double().clamp(0, 1)).nan_to_num(0)
+            self.kept_mass.add_((outside * KEPT_MASS_ONE.value).long())
+        return FilterCorrection(row_sum / self.c.shape[0], self.prob_scale, self.kept_mass)
 
 
 class RankOneUpdate(NamedTuple):
@@ -76,14 +91,3 @@ class RankOneUpdate(NamedTuple):
         """dC's and the bias gradient's: ``w (u^T E)`` and ``w sum(u)``."""
         scale = term.closed_form_scale()
         return cls(term.weight, weighted_sum(e, scale), scale.sum())
-
-
-def rank_one_updates(term: Optional[RankOneTerm], e: torch.Tensor, c: torch.Tensor,
-                     for_embeddings: bool, for_classifier: bool
-                     ) -> "tuple[Optional[RankOneUpdate], Optional[RankOneUpdate]]":
-    """dE's and dC's rank-one updates (each None where not wanted, or without a term), both
-    before the first product."""
-    if term is None:
-        return None, None
-    return (RankOneUpdate.for_embeddings(term, c) if for_embeddings else None,
-            RankOneUpdate.for_classifier(term, e) if for_classifier else None)

@@ -9,8 +9,10 @@ kernel settings looked up once.
 
 Deciding needs one number that only the GPU has: the live tiles per vocabulary block (whether
 the one pass fits) or per token block (pass 1's slot chunks). Their copy to the host is queued
-behind the lists that count them and read after the filter correction's work is queued
-(:mod:`cce.host_copy`), so the GPU works during that sync. Pass 2's chunks follow pass 1's kept
+behind the lists that count them (:mod:`cce.host_copy`); what the first recompute does not need
+(the one pass's slot map, the filter correction's terms, the rank-one updates) the run queues
+after that recompute, so that the host's time between the read and its launch is the least
+planning can take. Pass 2's chunks follow pass 1's kept
 tiles, which only pass 1's filter knows: the plan holds what sizes them (:class:`PassTwoSizing`),
 and the run lists the kept tiles before pass 1's last product and hands them to
 :func:`plan_pass_two`, which reads their lengths while the GPU runs that product.
@@ -35,14 +37,14 @@ from cce.config import (DEDICATED_SCRATCH_BYTES, SLOT_CHUNK_TOKENS, SPARE_SCRATC
 from cce.backward.gradient_tiles import RecomputeInputs
 from cce.host_copy import start_host_copy
 from cce.backward.scratch import Scratch, rows_can_hold_segments
-from cce.backward.epilogue_terms import FilterCorrection
+from cce.backward.epilogue_terms import PendingCorrection
 from cce.backward.sparse_tile_matmul import ProductSettings
 from cce.backward.tile_lists import ListedTiles, TileLists
 
 
 class CorrectionInputs(NamedTuple):
     """What ``filter_correction`` reads besides the recompute's inputs
-    (:class:`cce.backward.sparse_tile_matmul.FilterCorrection`): ``counted_mass``, float32 (N,),
+    (:class:`cce.backward.epilogue_terms.FilterCorrection`): ``counted_mass``, float32 (N,),
     each row's softmax mass in the entries the tiles add up, those of ``c`` off its target (None:
     all of them); ``classifier_row_sum``, float32 (D,) ``c.sum(0)`` where the forward has it (None:
     the backward reads ``c`` for it)."""
@@ -144,14 +146,13 @@ class ClassifierPlan(NamedTuple):
 
 class OnePassPlan(NamedTuple):
     """The one pass: every live tile (``live_tiles``, the table listed) recomputed once into its
-    slot (``scratch``), the dE product reading them all through ``slot_map`` (vocabulary blocks
-    x token blocks), then dC."""
+    slot (``scratch``), the dE product reading them all through the lists' slot map
+    (:meth:`cce.backward.tile_lists.TileLists.slot_map`, transposed), then dC."""
 
     live_tiles: torch.Tensor
     tile_lists: TileLists
     longest_list: int
     scratch: Scratch
-    slot_map: torch.Tensor
     product: ProductSettings
     classifier: ClassifierPlan
 
@@ -184,7 +185,7 @@ class BackwardPlan(NamedTuple):
     host_may_sync: bool
     live_tiles: Optional[torch.Tensor]
     gradients: Gradients
-    correction: Optional[FilterCorrection]
+    correction: Optional[PendingCorrection]
     one_pass: Optional[OnePassPlan]
     pass_one: Optional[PassOnePlan]
     classifier: Optional[ClassifierPlan]
@@ -233,14 +234,13 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest) -> Backw
               if request.needs_grad_e else None)
     # Each host sync below is planned around: what does not depend on the lengths it reads is
     # decided before it, while the GPU still has work; after it, the GPU waits for the host.
-    correction = one_pass = None
+    correction = _correction(recompute, request)
+    one_pass = None
     if (request.needs_grad_e and request.needs_grad_c and problem.host_may_sync
             and (request.keep_tiles or _one_pass_may_pay(problem, grad_c))):
         table = problem.live_table()
-        listed = ListedTiles.of(table, problem.host_may_sync)
-        # Queued behind the copy of the list lengths: the GPU runs it while the host plans.
-        correction = _correction(recompute, request)
-        one_pass = _one_pass_plan(problem, listed, table, grad_c)
+        one_pass = _one_pass_plan(problem, ListedTiles.of(table, problem.host_may_sync), table,
+                                  grad_c)
     pass_one = classifier = pass_two = None
     if one_pass is not None:
         classifier = one_pass.classifier
@@ -252,7 +252,7 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest) -> Backw
                                      else None),
                                  filters=not request.needs_grad_e)
     if one_pass is None and request.needs_grad_e:
-        pass_one, correction = _pass_one_plan(problem, grad_c, correction)
+        pass_one = _pass_one_plan(problem, grad_c)
     if pass_two is not None:
         if pass_one is None:  # no pass 1: the live tiles, filtered in pass 2
             classifier = _pass_two_plan(pass_two, ListedTiles.of(problem.live_table(),
@@ -303,11 +303,11 @@ def host_may_sync(device: torch.device) -> bool:
 
 
 def _correction(recompute: RecomputeInputs,
-                request: BackwardRequest) -> Optional[FilterCorrection]:
-    """The filter correction's buffers, or None without it."""
+                request: BackwardRequest) -> Optional[PendingCorrection]:
+    """The filter correction's kept mass, or None without it."""
     if request.correction is None:
         return None
-    return FilterCorrection.of(recompute.c, recompute.prob_scale, *request.correction)
+    return PendingCorrection.of(recompute.c, recompute.prob_scale, *request.correction)
 
 
 # ---- The one pass ------------------------------------------------------------------------------
@@ -346,8 +346,6 @@ def _one_pass_plan(problem: _Problem, listed: ListedTiles, table: torch.Tensor,
     tile_lists, read_lengths = listed
     num_token_blocks, num_vocab_blocks = problem.grid_shape
     keep_tiles = problem.request.keep_tiles
-    # Before the lengths' read: the GPU builds the map while the host waits.
-    slot_map = _slot_map(tile_lists, transposed=True)
     embeddings_product = _embeddings_product(problem, num_token_blocks, True, 0)
     classifier_product = _classifier_product(problem, None if keep_tiles else grad_c)
     tiles_per_block = read_lengths()
@@ -374,7 +372,7 @@ def _one_pass_plan(problem: _Problem, listed: ListedTiles, table: torch.Tensor,
          for vocab_blocks, in_spare in chunks],
         classifier_product, filters=True)
     return OnePassPlan(table, tile_lists, _longest_list(tiles_per_block, all_vocab_blocks), scratch,
-                       slot_map, embeddings_product, classifier)
+                       embeddings_product, classifier)
 
 
 def _one_pass_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
@@ -417,11 +415,8 @@ def _one_pass_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
 
 # ---- Pass 1 ------------------------------------------------------------------------------------
 
-def _pass_one_plan(problem: _Problem, grad_c: Optional[torch.Tensor],
-                   correction: Optional[FilterCorrection]
-                   ) -> "tuple[PassOnePlan, Optional[FilterCorrection]]":
-    """Pass 1's plan, and the filter correction (made here when the one pass did not make it,
-    during this plan's sync where it has one)."""
+def _pass_one_plan(problem: _Problem, grad_c: Optional[torch.Tensor]) -> PassOnePlan:
+    """Pass 1's plan."""
     recompute, request = problem.recompute, problem.request
     e = recompute.e
     grid = problem.configs.live_grid
@@ -440,11 +435,7 @@ def _pass_one_plan(problem: _Problem, grad_c: Optional[torch.Tensor],
     if _live_tiles_in_slots(problem, whole_rows_chunk):
         live_rows = TileLists.of(request.live_tiles)
         read_tiles_per_row = start_host_copy(live_rows.counts)
-        slot_map = _slot_map(live_rows)
-    # With slots, queued behind the copy of the row counts: the GPU runs it while the host
-    # plans.
-    if correction is None:
-        correction = _correction(recompute, request)
+        slot_map = live_rows.slot_map()
     if slot_map is not None:
         tiles_per_row = read_tiles_per_row()
         chunks = [(token_blocks, live_rows.first_slots[token_blocks.start:],
@@ -462,7 +453,7 @@ def _pass_one_plan(problem: _Problem, grad_c: Optional[torch.Tensor],
         problem, len(token_blocks), slot_map is not None,
         (scratch_segments - used) * segment_bytes))
         for token_blocks, first_slot, used in chunks]
-    return PassOnePlan(flags, buffer_segments, slot_map, planned), correction
+    return PassOnePlan(flags, buffer_segments, slot_map, planned)
 
 
 def _pass_one_buffer(problem: _Problem, grad_c: Optional[torch.Tensor],
@@ -659,26 +650,6 @@ def _classifier_product(problem: _Problem, pages: Optional[torch.Tensor]) -> Pro
     return ProductSettings(
         configs.live_grid, configs.classifier_product if by_tma else configs.sparse_tile_matmul,
         _block_out(configs, recompute.e.shape[1]), configs.dot_precision, by_tma=by_tma)
-
-
-def _slot_map(tile_lists: TileLists, transposed: bool = False) -> torch.Tensor:
-    """int32 (rows, columns) of the lists' flags, or (columns, rows) when ``transposed``: the
-    slot of each listed tile (the k-th of row r's list is in slot first_slots[r] + k; unlisted
-    tiles: 0). Built by indexing rather than by a boolean mask, which would make the host wait
-    for the GPU."""
-    num_rows, num_columns = tile_lists.lists.shape
-    device = tile_lists.counts.device
-    entries = torch.arange(num_columns, device=device, dtype=torch.int32)
-    listed = entries[None, :] < tile_lists.counts[:, None]
-    rows = torch.arange(num_rows, device=device, dtype=torch.int64)[:, None]
-    places = (tile_lists.lists * num_rows + rows if transposed
-              else rows * num_columns + tile_lists.lists)
-    # Entries past a list's end go to an extra element, dropped at the end.
-    places = torch.where(listed, places, num_rows * num_columns)
-    slot_map = torch.zeros(num_rows * num_columns + 1, dtype=torch.int32, device=device)
-    slot_map[places.flatten()] = (tile_lists.first_slots[:, None] + entries).flatten()
-    shape = (num_columns, num_rows) if transposed else (num_rows, num_columns)
-    return slot_map[:-1].view(shape)
 
 
 def _spare_tiles(tiles_per_block: np.ndarray, like: torch.Tensor, grid: KernelConfig,

@@ -45,11 +45,12 @@ records which tiles survive the exact filter, so pass 2 only recomputes those.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
-from cce.backward.epilogue_terms import rank_one_updates
+from cce.backward.epilogue_terms import FilterCorrection, RankOneUpdate
 from cce.backward.plan import (BackwardPlan, BackwardRequest, CorrectionInputs, Gradients,
                                plan_backward, plan_pass_two)
 from cce.backward.gradient_tiles import RecomputeInputs, gradient_tiles, listed_gradient_tiles
@@ -73,16 +74,15 @@ def linear_cross_entropy_backward(recompute: RecomputeInputs,
 def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
     """Launch the kernels of ``plan`` (:func:`cce.backward.plan.plan_backward`), in order: the
     one pass's recompute and dE product, or pass 1's chunks; then dC's chunks. Decides
-    nothing: pass 2's chunks come from :func:`cce.backward.plan.plan_pass_two`."""
-    e, c, vocab_order, rank_one = (recompute.e, recompute.c, recompute.vocab_order,
-                                   recompute.rank_one)
-    configs, correction, classifier = plan.configs, plan.correction, plan.classifier
+    nothing: pass 2's chunks come from :func:`cce.backward.plan.plan_pass_two`. What only the
+    products read is queued behind the first recompute (:class:`_ProductTerms`)."""
+    e, c, vocab_order = recompute.e, recompute.c, recompute.vocab_order
+    configs, classifier = plan.configs, plan.classifier
     grad_e, grad_c, grad_bias = plan.gradients
     grid = configs.live_grid
-    kept_mass = correction.kept_mass if correction is not None else None
+    kept_mass = plan.correction.kept_mass if plan.correction is not None else None
     one_pass, pass_one = plan.one_pass, plan.pass_one
-    embeddings_update, classifier_update = rank_one_updates(
-        rank_one, e, c, grad_e is not None, grad_c is not None)
+    terms = _ProductTerms(plan, recompute)
     if one_pass is not None:
         table = one_pass.live_tiles
         listed_gradient_tiles(recompute, one_pass.scratch, one_pass.tile_lists,
@@ -90,8 +90,8 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
                               kept_mass=kept_mass)
         gradient_times_embeddings(one_pass.scratch, table, c, vocab_order, grad_e,
                                   range(table.shape[0]), one_pass.product,
-                                  filter_correction=correction, rank_one=embeddings_update,
-                                  slot_map=one_pass.slot_map)
+                                  filter_correction=terms.correction, rank_one=terms.embeddings,
+                                  slot_map=one_pass.tile_lists.slot_map(transposed=True))
     if pass_one is not None:
         flags = pass_one.flags
         scratch = (Scratch.dedicated(pass_one.buffer_segments, grid.block_vocab, e.dtype,
@@ -110,8 +110,9 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
                 listed = ListedTiles.of(flags, plan.host_may_sync)
             gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e,
                                       chunk.token_blocks, chunk.product, room=room,
-                                      filter_correction=correction, rank_one=embeddings_update,
-                                      slot_map=pass_one.slot_map, first_slot=chunk.first_slot)
+                                      filter_correction=terms.correction,
+                                      rank_one=terms.embeddings, slot_map=pass_one.slot_map,
+                                      first_slot=chunk.first_slot)
         del scratch, room
         if plan.pass_two is not None:
             classifier = plan_pass_two(plan.pass_two, listed)
@@ -132,8 +133,31 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
                                       chunk.vocab_blocks, configs)
             gradient_times_classifier(scratch, chunk_lists, e, vocab_order, grad_c, grad_bias,
                                       chunk.vocab_blocks, classifier.product,
-                                      rank_one=classifier_update, chunk_slots=chunk.recomputes)
+                                      rank_one=terms.classifier, chunk_slots=chunk.recomputes)
     return plan.gradients
+
+
+class _ProductTerms:
+    """What the products add besides the stored tiles (:mod:`cce.backward.epilogue_terms`),
+    built when the first product reads it: behind the first recompute, which needs none of it."""
+
+    def __init__(self, plan: BackwardPlan, recompute: RecomputeInputs) -> None:
+        self._plan, self._recompute = plan, recompute
+
+    @functools.cached_property
+    def correction(self) -> Optional[FilterCorrection]:
+        pending = self._plan.correction
+        return pending.complete() if pending is not None else None
+
+    @functools.cached_property
+    def embeddings(self) -> Optional[RankOneUpdate]:
+        term = self._recompute.rank_one
+        return RankOneUpdate.for_embeddings(term, self._recompute.c) if term is not None else None
+
+    @functools.cached_property
+    def classifier(self) -> Optional[RankOneUpdate]:
+        term = self._recompute.rank_one
+        return RankOneUpdate.for_classifier(term, self._recompute.e) if term is not None else None
 
 
 def _room_after(scratch: Scratch, used_segments: int) -> Optional[torch.Tensor]:

@@ -76,6 +76,25 @@ class TileLists:
         first_slots = torch.cumsum(counts, dim=0, dtype=torch.int32) - counts
         return TileLists(lists, counts, first_slots)
 
+    def slot_map(self, transposed: bool = False) -> torch.Tensor:
+        """int32 (rows, columns) of the flags listed, or (columns, rows) when ``transposed``:
+        the slot of each listed tile (the k-th of row r's list is in slot first_slots[r] + k;
+        unlisted tiles: 0). Built by indexing rather than by a boolean mask, which would make
+        the host wait for the GPU."""
+        num_rows, num_columns = self.lists.shape
+        device = self.counts.device
+        entries = torch.arange(num_columns, device=device, dtype=torch.int32)
+        listed = entries[None, :] < self.counts[:, None]
+        rows = torch.arange(num_rows, device=device, dtype=torch.int64)[:, None]
+        places = (self.lists * num_rows + rows if transposed
+                  else rows * num_columns + self.lists)
+        # Entries past a list's end go to an extra element, dropped at the end.
+        places = torch.where(listed, places, num_rows * num_columns)
+        slot_map = torch.zeros(num_rows * num_columns + 1, dtype=torch.int32, device=device)
+        slot_map[places.flatten()] = (self.first_slots[:, None] + entries).flatten()
+        shape = (num_columns, num_rows) if transposed else (num_rows, num_columns)
+        return slot_map[:-1].view(shape)
+
     def rows(self, rows: range) -> "TileLists":
         """The lists of a chunk of rows (views)."""
         return TileLists(self.lists[rows.start:rows.stop], self.counts[rows.start:rows.stop],
