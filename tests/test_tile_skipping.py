@@ -44,12 +44,15 @@ def test_vocab_order_sorts_by_average_logit(gen: torch.Generator, device: str) -
     assert bool((average[order].diff() <= 1e-5).all())
 
 
+@pytest.mark.parametrize("on_cpu", [False, True], ids=["on_device", "on_cpu"])
 @pytest.mark.parametrize("sorted_vocabulary", [True, False], ids=["sorted", "unsorted"])
-def test_target_positions_place_each_target_in_the_order(sorted_vocabulary: bool,
+def test_target_positions_place_each_target_in_the_order(sorted_vocabulary: bool, on_cpu: bool,
                                                          gen: torch.Generator,
                                                          device: str) -> None:
     """Each token's target's position in the order (the target itself without sorting), -1
-    for ignored tokens; sizes past one block of the kernels (1024)."""
+    for ignored tokens; sizes past one block of the kernels (1024); CPU tensors too, also
+    where the kernels run on a GPU (the experiments' tables)."""
+    device = "cpu" if on_cpu else device
     num_tokens, vocab_size = 1500, 2500
     targets = torch.randint(0, vocab_size, (num_tokens,), generator=gen)
     targets[::7] = -1

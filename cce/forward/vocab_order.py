@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cce.config import interpreting
 from cce.forward import classifier_sums
 
 _BLOCK = 1024
@@ -71,7 +72,11 @@ def target_positions_kernel(targets_ptr, position_of_ptr, positions_ptr, num_tok
 def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor]) -> torch.Tensor:
     """int32 (N,) position of each token's target in the vocabulary order (the target itself
     without sorting), -1 for ignored tokens. Two small kernels where PyTorch would take eight
-    operations: before the forward's LSE kernel, the host's time is the GPU's wait."""
+    operations: before the forward's LSE kernel, the host's time is the GPU's wait. On CPU
+    tensors outside Triton's interpreter (the experiments' tables on a GPU machine), those
+    PyTorch operations."""
+    if targets.device.type != "cuda" and not interpreting():
+        return _target_positions_by_torch(targets, vocab_order)
     num_tokens = targets.shape[0]
     positions = torch.empty(num_tokens, dtype=torch.int32, device=targets.device)
     if num_tokens == 0:
@@ -87,3 +92,15 @@ def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor])
         targets.contiguous(), position_of, positions, num_tokens,
         SORTED=vocab_order is not None, BLOCK=_BLOCK)
     return positions
+
+
+def _target_positions_by_torch(targets: torch.Tensor,
+                               vocab_order: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`target_positions` by PyTorch."""
+    index = targets.clamp(min=0)
+    if vocab_order is not None and vocab_order.numel():
+        position_of = torch.empty_like(vocab_order)
+        position_of[vocab_order.long()] = torch.arange(
+            vocab_order.shape[0], dtype=vocab_order.dtype, device=vocab_order.device)
+        index = position_of[index]
+    return torch.where(targets >= 0, index, -1).to(torch.int32)
