@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import interpreting
+from cce.config import kernels_run_on
 from cce.forward import classifier_sums
 
 _BLOCK = 1024
@@ -75,7 +75,7 @@ def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor])
     operations: before the forward's LSE kernel, the host's time is the GPU's wait. On CPU
     tensors outside Triton's interpreter (the experiments' tables on a GPU machine), those
     PyTorch operations."""
-    if targets.device.type != "cuda" and not interpreting():
+    if not kernels_run_on(targets.device):
         return _target_positions_by_torch(targets, vocab_order)
     num_tokens = targets.shape[0]
     positions = torch.empty(num_tokens, dtype=torch.int32, device=targets.device)
