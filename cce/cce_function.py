@@ -22,15 +22,15 @@ from cce.backward.run import BackwardRequest, CorrectionInputs, linear_cross_ent
 from cce.config import check_interpreter_usable, kernel_configs
 from cce.backward.gradient_tiles import RecomputeInputs
 from cce.forward.indexed_dot import indexed_dot
-from cce.forward.lse_forward import lse_forward
+from cce.forward.lse_forward import leave_out_targets, lse_forward
 from cce.forward.plan import ForwardPlan, forward_outputs, plan_forward
+from cce.forward.row_outputs import row_outputs
 from cce.autograd import (differentiable_once, needs_gradient, tokenless_loss,
                           vmap_sample_by_sample)
 from cce.backward.live_tiles import live_tiles
-from cce.forward.vocab_order import sort_vocabulary, target_positions
+from cce.forward.vocab_order import sort_vocabulary
 from cce.weighting import (EntropyTerm, LossWeighting, RankOneTerm, TokenOutputs,
-                           argmax_or_none, entropy_and_gradient_terms, lse_and_cross_entropy,
-                           target_complement, target_entry)
+                           argmax_or_none, entropy_and_gradient_terms, target_entry)
 
 if TYPE_CHECKING:
     from cce.options import LossOptions
@@ -42,8 +42,8 @@ class ForwardResults(NamedTuple):
     order: Optional[torch.Tensor]  # int32 (V,) vocabulary order
     target_positions: torch.Tensor  # int32 (N,), see cce.forward.vocab_order.target_positions
     lse: torch.Tensor  # float32 (N,)
-    cross_entropy: torch.Tensor  # float32 (N,): L - z_y (cce.weighting.lse_and_cross_entropy)
-    target_complement: torch.Tensor  # float32 (N,): 1 - p_y (cce.weighting.target_complement)
+    cross_entropy: torch.Tensor  # float32 (N,): L - z_y (cce.forward.row_outputs)
+    target_complement: torch.Tensor  # float32 (N,): 1 - p_y (cce.forward.row_outputs)
     tile_bound: Optional[torch.Tensor]  # float32 live-grid table, see cce.forward.lse_forward
     classifier_row_sum: Optional[torch.Tensor]  # float32 (D,) c.sum(0), read with the order
     entropy: Optional[torch.Tensor] = None  # float32 (N,)
@@ -66,20 +66,19 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
     if plan.sorts:
         order, row_sum = sort_vocabulary(e, c, bias, targets)
     target_logit = indexed_dot(e, c, targets, bias, softcap)
-    positions = target_positions(targets, order)
+    left_out = leave_out_targets(targets, order, e.dtype, c.shape[0])
     other_entropy = torch.zeros_like(target_logit) if plan.entropy else None
     row_argmax = (torch.empty(targets.shape, dtype=torch.int64, device=e.device)
                   if plan.argmax else None)
     # The target logits double as lower bounds of the LSE for the tile bounds.
     other_lse, tile_bound = lse_forward(e, c, bias, softcap, targets, order,
                                         target_logit if plan.records_bounds else None,
-                                        left_out=positions, logit_sum=logit_sum,
+                                        left_out=left_out, logit_sum=logit_sum,
                                         curvature_sum=curvature_sum, class_weight=class_weight,
                                         entropy=other_entropy, argmax=row_argmax,
                                         deterministic=plan.deterministic,
                                         copy_classifier=plan.copies_classifier)
-    lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
-    complement = target_complement(other_lse, lse)
+    lse, cross_entropy, complement = row_outputs(other_lse, target_logit, targets)
     row_entropy = entropy_terms = None
     if plan.entropy:
         row_entropy, mean, target_term = entropy_and_gradient_terms(
@@ -87,7 +86,7 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
         entropy_terms = torch.stack([mean, target_term])
     if plan.argmax:
         row_argmax = argmax_or_none(row_argmax, lse)
-    return ForwardResults(order, positions, lse, cross_entropy, complement, tile_bound, row_sum,
+    return ForwardResults(order, left_out.positions, lse, cross_entropy, complement, tile_bound, row_sum,
                           row_entropy, entropy_terms, row_argmax)
 
 

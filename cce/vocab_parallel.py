@@ -196,9 +196,9 @@ class VocabParallelFunction(torch.autograd.Function):
                 needs_grad: bool):
         from cce.cce_function import uses_filter_correction
         from cce.forward.indexed_dot import indexed_dot
-        from cce.forward.lse_forward import lse_forward
+        from cce.forward.lse_forward import leave_out_targets, lse_forward
         from cce.forward.plan import forward_outputs
-        from cce.forward.vocab_order import sort_vocabulary, target_positions
+        from cce.forward.vocab_order import sort_vocabulary
 
         group, softcap, filter_eps = (options.vocab_parallel.group, options.softcap,
                                       options.filter_eps)
@@ -213,7 +213,8 @@ class VocabParallelFunction(torch.autograd.Function):
         order = row_sum = None
         if plan.sorts:
             order, row_sum = sort_vocabulary(e, c, bias, targets)
-        positions = target_positions(local_targets, order)
+        left_out = leave_out_targets(local_targets, order, e.dtype, c.shape[0])
+        positions = left_out.positions
         if holds_rows:
             target_logit = indexed_dot(e, c, local_targets, bias, softcap)  # 0 off the shard
         else:
@@ -229,7 +230,7 @@ class VocabParallelFunction(torch.autograd.Function):
             local_max = torch.full_like(target_logit, float("-inf"))
         local_other_lse, tile_bound = (
             lse_forward(e, c, bias, softcap, targets, order,
-                        target_logit if plan.records_bounds else None, left_out=positions,
+                        target_logit if plan.records_bounds else None, left_out=left_out,
                         entropy=local_entropy, argmax=local_argmax, argmax_value=local_max)
             if holds_rows else (torch.full_like(target_logit, float("-inf")), None))
         other_lse = _global_lse(local_other_lse, group)

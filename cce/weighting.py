@@ -28,7 +28,8 @@ the LSE L and the target logit, ``L - z_y`` and ``exp(z_y - L) - 1`` keep only w
 their last bits. The implementations that build no logits compute instead the LSE of each row's
 other logits, ``O_i = log sum_{v != y} exp(z_iv)``; then ``1 - p_y = exp(O_i - L_i)`` and the
 cross-entropy is ``log(1 + exp(O_i - z_iy))``, both exact to float32 rounding
-(:func:`lse_and_cross_entropy`, :func:`target_complement`).
+(:func:`lse_and_cross_entropy`, :func:`target_complement`; on the kernels' path one kernel,
+:mod:`cce.forward.row_outputs`).
 
 Every implementation gets a :class:`LossWeighting` and returns F.cross_entropy's per-token loss
 (``reduction="none"``); :mod:`cce.loss` reduces it. Those that build no logits compute the plain
@@ -123,6 +124,8 @@ class LossWeighting(NamedTuple):
         ``lse`` and ``logit_sum`` (m; needed with label smoothing only): float32 (N,), 0 at
         ignored tokens (``targets`` -1)."""
         smoothing = self.label_smoothing
+        if not smoothing and self.weight is None:  # the plain loss: two operations, not six
+            return torch.where(targets >= 0, cross_entropy, 0.0)
         loss = (1 - smoothing) * self.target_weight(targets) * cross_entropy
         if smoothing:
             loss = loss + smoothing / vocab_size * (self.weight_sum(vocab_size) * lse - logit_sum)

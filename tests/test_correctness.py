@@ -458,6 +458,38 @@ def test_non_finite_ignored_row_propagates_like_pytorch(impl: str, device: str,
     assert relative_error(outcomes[impl], outcomes["torch"]) <= 1e-5
 
 
+@INTERPRETER_NON_FINITE_WARNINGS
+def test_row_outputs_kernel_follows_the_pytorch_formulas(device: str,
+                                                         gen: torch.Generator) -> None:
+    """The forward's row outputs kernel computes what ``lse_and_cross_entropy`` and
+    ``target_complement`` define: from float64 to float32 precision on finite rows, sure ones
+    (O - z_y down to -25) included, and non-finite exactly where they are."""
+    from cce.forward.row_outputs import row_outputs
+    from cce.weighting import lse_and_cross_entropy, target_complement
+    inf, nan = math.inf, math.nan
+    gap = torch.cat([torch.randn(3000, generator=gen) * 6, -torch.rand(3000, generator=gen) * 25])
+    other = torch.randn(6000, generator=gen) * 5 + 10
+    target_logit = other - gap
+    targets = torch.randint(0, 9, (6000,), generator=gen)
+    targets[::5] = -1
+    edges = [(-inf, -inf), (inf, inf), (-inf, 2.0), (inf, -inf), (nan, 1.0), (1.0, nan),
+             (3.0, inf), (-30.0, 0.0), (0.0, -inf), (5.0, -100.0)]
+    other = torch.cat([other, torch.tensor([o for o, _ in edges] * 2)])
+    target_logit = torch.cat([target_logit, torch.tensor([z for _, z in edges] * 2)])
+    targets = torch.cat([targets, torch.tensor([0] * len(edges) + [-1] * len(edges))])
+    outputs = row_outputs(other.to(device), target_logit.to(device), targets.to(device))
+    lse, cross_entropy = lse_and_cross_entropy(other.double(), target_logit.double(), targets)
+    expected = (lse, cross_entropy, target_complement(other.double(), lse))
+    for name, value, exact in zip(("lse", "cross_entropy", "complement"), outputs, expected):
+        value = value.cpu()
+        assert value.dtype == torch.float32, name
+        assert same_non_finite(value, exact.float()), name
+        finite = torch.isfinite(exact)
+        # an LSE near 0 has cancelled: its error is the inputs' rounding (about 1e-6 here)
+        scale = exact[finite].abs().clamp_min(1.0 if name == "lse" else 1e-300)
+        assert ((value[finite].double() - exact[finite]).abs() / scale).max() <= 1e-5, name
+
+
 # --- torch.compile (slow to compile on CPU: two cases only) ---------------------------------
 
 

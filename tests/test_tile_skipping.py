@@ -17,7 +17,7 @@ from cce.config import deterministic_head_blocks, kernel_configs
 from cce.forward.indexed_dot import indexed_dot
 from cce.forward.lse_forward import lse_forward
 from cce.backward.live_tiles import live_tiles
-from cce.forward.vocab_order import target_positions, vocab_order
+from cce.forward.vocab_order import TileMarks, target_positions, vocab_order
 from tests.helpers import INTERPRETER_NON_FINITE_WARNINGS, peaked_inputs
 
 N, V, D = 45, 1500, 40  # not multiples of any block size
@@ -50,15 +50,19 @@ def test_target_positions_place_each_target_in_the_order(sorted_vocabulary: bool
                                                          gen: torch.Generator,
                                                          device: str) -> None:
     """Each token's target's position in the order (the target itself without sorting), -1
-    for ignored tokens; sizes past one block of the kernels (1024); CPU tensors too, also
-    where the kernels run on a GPU (the experiments' tables)."""
+    for ignored tokens, and the tiles of a grid that hold one; sizes past one block of the
+    kernels (1024); CPU tensors too, also where the kernels run on a GPU (the experiments'
+    tables)."""
     device = "cpu" if on_cpu else device
     num_tokens, vocab_size = 1500, 2500
+    block_tokens, block_vocab = 64, 128
     targets = torch.randint(0, vocab_size, (num_tokens,), generator=gen)
     targets[::7] = -1
     order = torch.randperm(vocab_size, generator=gen).to(torch.int32) if sorted_vocabulary else None
-    positions = target_positions(targets.to(device),
-                                 None if order is None else order.to(device)).cpu()
+    grid_shape = (-(-num_tokens // block_tokens), -(-vocab_size // block_vocab))
+    tiles = torch.zeros(grid_shape[0] * grid_shape[1], dtype=torch.int8, device=device)
+    positions = target_positions(targets.to(device), None if order is None else order.to(device),
+                                 TileMarks(tiles, block_tokens, block_vocab, grid_shape[1])).cpu()
     expected = targets.clone()
     if order is not None:
         position_of = torch.empty(vocab_size, dtype=torch.int64)
@@ -66,6 +70,10 @@ def test_target_positions_place_each_target_in_the_order(sorted_vocabulary: bool
         expected = torch.where(targets >= 0, position_of[targets.clamp(min=0)], -1)
     assert positions.dtype == torch.int32
     assert torch.equal(positions.long(), expected)
+    held = torch.zeros(grid_shape, dtype=torch.int8)
+    rows = torch.arange(num_tokens)[expected >= 0]
+    held[rows // block_tokens, expected[expected >= 0] // block_vocab] = 1
+    assert torch.equal(tiles.cpu().view(grid_shape), held)
 
 
 def _per_tile_max(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -6,4 +6,5 @@
 2. ``indexed_dot``: the target logit ``c[x_i] . e_i`` of every token.
 3. ``lse_forward``: logit tiles computed on-chip, each program's log-sum-exp merged into the
    global one under a spin lock; with a filter, each tile's bound for the backward.
+4. ``row_outputs``: each row's LSE, loss and ``1 - p_y`` from the LSE of its other logits.
 """

@@ -47,6 +47,7 @@ from cce.config import (deterministic_head_blocks, forward_vocab_splits,
                         interpreting, kernel_configs, tma_copies_rows)
 from cce.logit_tile import (LOG2_E, finish_logits, holds_padding, logit_operands, logit_tile,
                             tile_product_by_descriptor, vocab_block_entries)
+from cce.forward.vocab_order import TileMarks, target_positions
 from cce.weighting import entropy_of_parts, first_largest
 
 ARGMAX_NONE = tl.constexpr(2**31 - 1)  # the index of no candidate yet: any index is smaller
@@ -424,28 +425,18 @@ def _descriptor_ready(x: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and tma_copies_rows(x))
 
 
-@triton.jit
-def mark_tiles_kernel(positions_ptr, tiles_ptr, num_tokens, num_vocab_blocks,
-                      BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
-                      BLOCK_ROWS: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    positions = tl.load(positions_ptr + rows, mask=rows < num_tokens, other=-1)
-    tiles = (rows // BLOCK_TOKENS).to(tl.int64) * num_vocab_blocks + positions // BLOCK_VOCAB
-    tl.store(tiles_ptr + tiles, 1, mask=positions >= 0)  # every writer writes 1: no race
-
-
-def _tiles_holding(positions: torch.Tensor, block_tokens: int, block_vocab: int,
-                   num_vocab_blocks: int) -> torch.Tensor:
-    """int8 (token blocks x forward vocabulary blocks), row-major: 1 where a row's position
-    (``positions``, int32 (N,), -1 for none) falls in the tile. One launch where PyTorch would
-    take eight: at small N the forward's time is mostly the host's."""
-    num_tokens = positions.shape[0]
-    tiles = torch.zeros(triton.cdiv(num_tokens, block_tokens) * num_vocab_blocks,
-                        dtype=torch.int8, device=positions.device)
-    mark_tiles_kernel[(triton.cdiv(num_tokens, 1024),)](
-        positions, tiles, num_tokens, num_vocab_blocks, BLOCK_TOKENS=block_tokens,
-        BLOCK_VOCAB=block_vocab, BLOCK_ROWS=1024)
-    return tiles
+def leave_out_targets(targets: torch.Tensor, vocab_order: Optional[torch.Tensor],
+                      dtype: torch.dtype, vocab_size: int) -> LeftOut:
+    """What :func:`lse_forward`'s ``left_out`` takes to leave each row's target out of its
+    LSE: the targets' positions in the order and which of the forward's tiles (for ``dtype``'s
+    kernel settings) hold one, both from one launch (:func:`target_positions`)."""
+    config = kernel_configs(dtype).lse_forward
+    num_vocab_blocks = triton.cdiv(vocab_size, config.block_vocab)
+    tiles = torch.zeros(triton.cdiv(targets.shape[0], config.block_tokens) * num_vocab_blocks,
+                        dtype=torch.int8, device=targets.device)
+    positions = target_positions(targets, vocab_order, TileMarks(
+        tiles, config.block_tokens, config.block_vocab, num_vocab_blocks))
+    return LeftOut(positions, tiles)
 
 
 def _launches(num_token_blocks: int, num_vocab_blocks: int, device: torch.device,
@@ -470,7 +461,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 softcap: Optional[float], targets: torch.Tensor,
                 vocab_order: Optional[torch.Tensor],
                 target_logit: Optional[torch.Tensor] = None, *,
-                left_out: Optional[torch.Tensor] = None,
+                left_out: Optional[LeftOut] = None,
                 logit_sum: Optional[torch.Tensor] = None,
                 curvature_sum: Optional[torch.Tensor] = None,
                 class_weight: Optional[torch.Tensor] = None,
@@ -484,8 +475,9 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     bounds of the live-tile grid (in ``vocab_order``): every softmax entry of a tile on a
     non-ignored row (``targets >= 0``) is at most exp(its bound); -inf where a tile has no such row.
 
-    ``left_out``: int32 (N,) a position of the order (the vocabulary index without sorting)
-    per row, -1 for none: the LSE is then of the row's other logits. Given each row's target,
+    ``left_out``: a position of the order (the vocabulary index without sorting) per row, -1
+    for none, with the tiles that hold one (:func:`leave_out_targets`): the LSE is then of the
+    row's other logits. Given each row's target,
     it is the LSE of the non-target logits, ``log(sum_{j != t} exp(z_j))``, from which
     ``1 - p_t`` (a row's gradient at its target) comes with full relative precision, however
     sure the model is of the target: ``exp(L_i - z_t) - 1`` would cancel (:mod:`cce.weighting`).
@@ -552,8 +544,6 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     head_lse = torch.full_like(target_logit, float("-inf")) if with_head else None
     bounds = BoundRecord(targets=targets if record else None, target_logit=target_logit,
                          tile_bound=tile_bound, head_lse=head_lse)
-    left_out_tiles = (_tiles_holding(left_out, config.block_tokens, config.block_vocab,
-                                     num_vocab_blocks) if left_out is not None else None)
     results = RowResults(lse=lse, locks=locks, partials=split_lse, logit_sum=logit_sum,
                          curvature_sum=curvature_sum, class_weight=class_weight,
                          entropy=entropy, argmax_value=argmax_value, argmax_index=argmax_index,
@@ -564,7 +554,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             torch.logsumexp(split_lse[0, :launch.first_split], dim=0, out=head_lse)
         lse_forward_kernel[(num_token_blocks * launch.splits,)](
             logit_operands(e, c, bias, vocab_order, softcap), e_desc, c_desc, launch, bounds,
-            LeftOut(left_out, left_out_tiles), results,
+            left_out or LeftOut(None, None), results,
             LIVE_BLOCK_VOCAB=live_grid.block_vocab, BLOCK_TOKENS=config.block_tokens,
             BLOCK_VOCAB=config.block_vocab, BLOCK_DIM=config.block_dim,
             DOT_PRECISION=configs.dot_precision,

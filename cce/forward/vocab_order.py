@@ -57,7 +57,7 @@ def invert_order_kernel(order_ptr, position_of_ptr, vocab_size, BLOCK: tl.conste
 
 
 @triton.jit
-def target_positions_kernel(targets_ptr, position_of_ptr, positions_ptr, num_tokens,
+def target_positions_kernel(targets_ptr, position_of_ptr, positions_ptr, marks, num_tokens,
                             SORTED: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_mask = rows < num_tokens
@@ -67,16 +67,32 @@ def target_positions_kernel(targets_ptr, position_of_ptr, positions_ptr, num_tok
     else:
         positions = tl.where(targets >= 0, targets, -1)
     tl.store(positions_ptr + rows, positions.to(tl.int32), mask=row_mask)
+    if marks.tiles is not None:
+        tiles = ((rows // marks.block_tokens).to(tl.int64) * marks.num_vocab_blocks
+                 + positions // marks.block_vocab)
+        tl.store(marks.tiles + tiles, 1, mask=positions >= 0)  # every writer writes 1: no race
 
 
-def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor]) -> torch.Tensor:
+class TileMarks(NamedTuple):
+    """A grid of tiles for :func:`target_positions` to mark those that hold a row's position:
+    ``tiles`` int8 zeros (token blocks x ``num_vocab_blocks``, row-major) of
+    ``block_tokens`` x ``block_vocab`` tiles; it receives 1 where a tile holds one."""
+
+    tiles: torch.Tensor
+    block_tokens: int
+    block_vocab: int
+    num_vocab_blocks: int
+
+
+def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor],
+                     marks: Optional[TileMarks] = None) -> torch.Tensor:
     """int32 (N,) position of each token's target in the vocabulary order (the target itself
-    without sorting), -1 for ignored tokens. Two small kernels where PyTorch would take eight
-    operations: before the forward's LSE kernel, the host's time is the GPU's wait. On CPU
-    tensors outside Triton's interpreter (the experiments' tables on a GPU machine), those
-    PyTorch operations."""
+    without sorting), -1 for ignored tokens; with ``marks``, also the tiles that hold one. Two
+    small kernels where PyTorch would take ten operations: before the forward's LSE kernel,
+    the host's time is the GPU's wait. On CPU tensors outside Triton's interpreter (the
+    experiments' tables on a GPU machine), those PyTorch operations."""
     if not kernels_run_on(targets.device):
-        return _target_positions_by_torch(targets, vocab_order)
+        return _target_positions_by_torch(targets, vocab_order, marks)
     num_tokens = targets.shape[0]
     positions = torch.empty(num_tokens, dtype=torch.int32, device=targets.device)
     if num_tokens == 0:
@@ -89,13 +105,13 @@ def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor])
             invert_order_kernel[(triton.cdiv(vocab_size, _BLOCK),)](
                 vocab_order, position_of, vocab_size, BLOCK=_BLOCK)
     target_positions_kernel[(triton.cdiv(num_tokens, _BLOCK),)](
-        targets.contiguous(), position_of, positions, num_tokens,
-        SORTED=vocab_order is not None, BLOCK=_BLOCK)
+        targets.contiguous(), position_of, positions, marks or TileMarks(None, 1, 1, 0),
+        num_tokens, SORTED=vocab_order is not None, BLOCK=_BLOCK)
     return positions
 
 
-def _target_positions_by_torch(targets: torch.Tensor,
-                               vocab_order: Optional[torch.Tensor]) -> torch.Tensor:
+def _target_positions_by_torch(targets: torch.Tensor, vocab_order: Optional[torch.Tensor],
+                               marks: Optional[TileMarks]) -> torch.Tensor:
     """:func:`target_positions` by PyTorch."""
     index = targets.clamp(min=0)
     if vocab_order is not None and vocab_order.numel():
@@ -103,4 +119,10 @@ def _target_positions_by_torch(targets: torch.Tensor,
         position_of[vocab_order.long()] = torch.arange(
             vocab_order.shape[0], dtype=vocab_order.dtype, device=vocab_order.device)
         index = position_of[index]
-    return torch.where(targets >= 0, index, -1).to(torch.int32)
+    positions = torch.where(targets >= 0, index, -1).to(torch.int32)
+    if marks is not None:
+        rows = torch.arange(targets.shape[0], device=targets.device)
+        held = positions >= 0
+        marks.tiles[(rows[held] // marks.block_tokens) * marks.num_vocab_blocks
+                    + positions[held] // marks.block_vocab] = 1
+    return positions
