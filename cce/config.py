@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,14 @@ def kernels_run_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
+def holds_no_data(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values cannot be read or handed to a kernel here: a meta or fake
+    tensor (shape propagation), or a tensor batched by torch.func.vmap, whose values differ per
+    sample."""
+    return (tensor.device.type == "meta" or is_fake(tensor)
+            or torch._C._functorch.is_functorch_wrapped_tensor(tensor))
+
+
 def kernels_take(e: torch.Tensor) -> bool:
     """Whether cce's Triton kernels take the embeddings ``e``: their device and their dtype."""
     return kernels_run_on(e.device) and e.dtype in KERNEL_DTYPES
@@ -172,13 +181,19 @@ def check_interpreter_usable() -> None:
     ``TRITON_INTERPRET=1`` was set, so Triton's own language functions (``tl.max``, ``tl.sum``,
     ...) were built for a GPU, and every kernel would stop on them with an error that does not
     say why."""
-    if interpreting() and not _triton_language_interpreted():
+    if not interpreter_usable():
         raise RuntimeError(
             "TRITON_INTERPRET=1 asks cce to run its kernels in Triton's CPU interpreter, but "
             "triton was imported before the variable was set, so its language functions "
             "cannot run in the interpreter. Set TRITON_INTERPRET=1 before anything imports "
             "triton (in the environment), or leave it unset: CPU tensors then take the PyTorch "
             "path (impl='cce_torch').")
+
+
+def interpreter_usable() -> bool:
+    """False where the interpreter is on but cannot run cce's kernels
+    (:func:`check_interpreter_usable`)."""
+    return not interpreting() or _triton_language_interpreted()
 
 
 @functools.cache
