@@ -16,7 +16,6 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 
 @dataclass(frozen=True)
@@ -163,14 +162,6 @@ def kernels_run_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
-def holds_no_data(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s values cannot be read or handed to a kernel here: a meta or fake
-    tensor (shape propagation), or a tensor batched by torch.func.vmap, whose values differ per
-    sample."""
-    return (tensor.device.type == "meta" or is_fake(tensor)
-            or torch._C._functorch.is_functorch_wrapped_tensor(tensor))
-
-
 def kernels_take(e: torch.Tensor) -> bool:
     """Whether cce's Triton kernels take the embeddings ``e``: their device and their dtype."""
     return kernels_run_on(e.device) and e.dtype in KERNEL_DTYPES
@@ -181,19 +172,13 @@ def check_interpreter_usable() -> None:
     ``TRITON_INTERPRET=1`` was set, so Triton's own language functions (``tl.max``, ``tl.sum``,
     ...) were built for a GPU, and every kernel would stop on them with an error that does not
     say why."""
-    if not interpreter_usable():
+    if interpreting() and not _triton_language_interpreted():
         raise RuntimeError(
             "TRITON_INTERPRET=1 asks cce to run its kernels in Triton's CPU interpreter, but "
             "triton was imported before the variable was set, so its language functions "
             "cannot run in the interpreter. Set TRITON_INTERPRET=1 before anything imports "
             "triton (in the environment), or leave it unset: CPU tensors then take the PyTorch "
             "path (impl='cce_torch').")
-
-
-def interpreter_usable() -> bool:
-    """False where the interpreter is on but cannot run cce's kernels
-    (:func:`check_interpreter_usable`)."""
-    return not interpreting() or _triton_language_interpreted()
 
 
 @functools.cache

@@ -18,13 +18,13 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from cce.reference import baselines
 from cce.reference.chunked_torch import chunked_torch_loss
-from cce.config import KERNEL_DTYPES, holds_no_data, kernels_take
+from cce.config import KERNEL_DTYPES, kernels_take
 from cce.host_copy import start_host_copy
 from cce.options import IMPLEMENTATION_NAMES, LossOptions
-from cce.targets import canonical_targets, first_out_of_range
 from cce.weighting import LossWeighting, TokenOutputs
 from cce.vocab_parallel import (VocabParallelOptions, check_shards, local_tensors,
                                 vocab_parallel_loss)
@@ -236,11 +236,12 @@ def _loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                               options.label_smoothing)
 
     ignore_index = operator.index(options.ignore_index)
-    canonical, any_out_of_range = canonical_targets(targets, ignore_index, options.shift,
-                                                    vocab_size)
+    canonical_targets, out_of_range = _canonical_targets(targets, ignore_index, options.shift,
+                                                         vocab_size)
+    any_out_of_range = out_of_range.any()
     read_any_out_of_range = _start_host_read(any_out_of_range)
     flat_e = e.reshape(targets.numel(), e.shape[-1])  # not -1: D may be 0
-    flat_targets = canonical.reshape(-1)
+    flat_targets = canonical_targets.reshape(-1)
     if options.vocab_parallel is None:
         outputs = IMPLEMENTATIONS[options.impl](flat_e, c, flat_targets, bias, weighting, options)
     else:
@@ -254,18 +255,17 @@ def _loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
         token_loss = token_loss + torch.where(valid, z_term, 0.0)
     if read_any_out_of_range is None:
         # No host check possible (torch.compile, CUDA graph capture): poison the loss instead.
-        token_loss = torch.where(any_out_of_range != 0, float("nan"), token_loss)
+        token_loss = torch.where(any_out_of_range, float("nan"), token_loss)
     elif read_any_out_of_range():
         raise ValueError(f"targets must be in [0, {vocab_size}) or equal ignore_index="
-                         f"{ignore_index}; found "
-                         f"{first_out_of_range(targets, ignore_index, options.shift, vocab_size)}")
+                         f"{ignore_index}; found {_first_out_of_range(targets, out_of_range)}")
 
     if options.reduction == "none":
         loss = token_loss.reshape(targets.shape)
     elif options.reduction == "sum":
         loss = token_loss.sum()
     else:  # over the targets' summed weights; NaN when every token is ignored, as in PyTorch
-        loss = token_loss.sum() / weighting.target_weight_sum(canonical)
+        loss = token_loss.sum() / weighting.target_weight_sum(canonical_targets)
     extras = [output.reshape(targets.shape) for output, wanted in (
         (lse, options.return_lse), (outputs.entropy, options.return_entropy),
         (outputs.argmax, options.return_argmax)) if wanted]
@@ -306,6 +306,11 @@ def _tempered(e: torch.Tensor, bias: Optional[torch.Tensor], options: LossOption
             dataclasses.replace(options, softcap=softcap, temperature=1.0))
 
 
+def _first_out_of_range(targets: torch.Tensor, out_of_range: torch.Tensor) -> int:
+    """For the error message: on the CPU, where every integer dtype can be indexed."""
+    return targets.cpu()[out_of_range.cpu()][0].item()
+
+
 def _check_vocab_parallel_call(weight: Optional[torch.Tensor], options: LossOptions) -> None:
     """What vocab_parallel does not support, known only at the call."""
     if weight is not None:
@@ -317,12 +322,37 @@ def _check_vocab_parallel_call(weight: Optional[torch.Tensor], options: LossOpti
                            "or turn torch.use_deterministic_algorithms off")
 
 
+def _canonical_targets(targets: torch.Tensor, ignore_index: int, shift: int,
+                       vocab_size: int) -> "tuple[torch.Tensor, torch.Tensor]":
+    """int64 targets with -1 at ignored positions, already shifted, shape of ``targets``; and
+    where ``targets`` is out of range (those count as ignored here, so that no kernel indexes
+    outside c before the caller raises). The first ``shift`` targets, which no position is
+    scored against, are not checked."""
+    # In int64 whatever the dtype: comparisons in the targets' own dtype would wrap
+    # ignore_index around (-100 is 156 in uint8), and torch has none for uint16/32/64.
+    as_int64 = targets.long()
+    valid = as_int64 != ignore_index
+    if targets.dtype == torch.uint64:
+        # From 2^63 up, wrapped around to negative: out of range, never ignore_index.
+        valid = valid | (as_int64 < 0)
+    if shift:
+        valid = valid & (torch.arange(targets.shape[-1], device=targets.device) >= shift)
+    # Few operations: before the loss's kernels are queued, the host's time is the GPU's wait.
+    kept = valid & (as_int64.clamp(0, vocab_size - 1) == as_int64)
+    out_of_range = valid ^ kept
+    canonical = torch.where(kept, as_int64, -1)
+    if shift:
+        ignored_tail = torch.full_like(canonical[..., :shift], -1)
+        canonical = torch.cat([canonical[..., shift:], ignored_tail], dim=-1)
+    return canonical, out_of_range
+
+
 def _start_host_read(flag: torch.Tensor) -> Optional[Callable[[], bool]]:
     """A function that reads the boolean scalar ``flag`` on the host, or None where the host
     cannot read it (torch.compile, CUDA graph capture). On a GPU the flag is copied to pinned
     memory and read only once the loss's kernels are queued behind it: the host waits for the
     work queued before the flag, as a sync would, but the GPU has the loss to run meanwhile."""
-    if torch.compiler.is_compiling() or holds_no_data(flag):
+    if torch.compiler.is_compiling() or _holds_no_data(flag):
         return None
     if flag.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
@@ -353,6 +383,13 @@ def _cast_as_linear_would(e, c, bias):
         return tensor.to(dtype) if eligible else tensor
 
     return cast(e), cast(c), cast(bias)
+
+
+def _holds_no_data(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s value cannot be read here: a meta or fake tensor (shape
+    propagation), or a tensor batched by torch.func.vmap, whose values differ per sample."""
+    return (tensor.device.type == "meta" or is_fake(tensor)
+            or torch._C._functorch.is_functorch_wrapped_tensor(tensor))
 
 
 def _check_arguments(e, c, targets, bias, weight, shift: int) -> None:
