@@ -86,8 +86,8 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
         entropy_terms = torch.stack([mean, target_term])
     if plan.argmax:
         row_argmax = argmax_or_none(row_argmax, lse)
-    return ForwardResults(order, left_out.positions, lse, cross_entropy, complement, tile_bound, row_sum,
-                          row_entropy, entropy_terms, row_argmax)
+    return ForwardResults(order, left_out.positions, lse, cross_entropy, complement, tile_bound,
+                          row_sum, row_entropy, entropy_terms, row_argmax)
 
 
 def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,

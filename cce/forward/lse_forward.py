@@ -477,10 +477,10 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
 
     ``left_out``: a position of the order (the vocabulary index without sorting) per row, -1
     for none, with the tiles that hold one (:func:`leave_out_targets`): the LSE is then of the
-    row's other logits. Given each row's target,
-    it is the LSE of the non-target logits, ``log(sum_{j != t} exp(z_j))``, from which
-    ``1 - p_t`` (a row's gradient at its target) comes with full relative precision, however
-    sure the model is of the target: ``exp(L_i - z_t) - 1`` would cancel (:mod:`cce.weighting`).
+    row's other logits. Given each row's target, it is the LSE of the non-target logits,
+    ``log(sum_{j != t} exp(z_j))``, from which ``1 - p_t`` (a row's gradient at its target)
+    comes with full relative precision, however sure the model is of the target:
+    ``exp(L_i - z_t) - 1`` would cancel (:mod:`cce.weighting`).
 
     ``logit_sum``: float32 (N,) zeros, when given, receives ``sum_v class_weight[v] z_iv`` of
     every row (``class_weight``: float32 (V,), None for all 1), for label smoothing

@@ -35,13 +35,6 @@ def log_one_plus(w):
 
 
 @triton.jit
-def softplus(x):
-    """log(1 + exp(x)), as ``max(x, 0) + log(1 + exp(-|x|))``: exact where x is very negative
-    (the loss of a sure row) and x itself where it is very positive; NaN propagates."""
-    return tl.maximum(x, 0.0) + log_one_plus(tl.exp(-tl.abs(x)))
-
-
-@triton.jit
 def row_outputs_kernel(other_lse_ptr, target_logit_ptr, targets_ptr, lse_ptr, cross_entropy_ptr,
                        complement_ptr, num_tokens, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -50,12 +43,13 @@ def row_outputs_kernel(other_lse_ptr, target_logit_ptr, targets_ptr, lse_ptr, cr
     target_logit = tl.load(target_logit_ptr + rows, mask=mask, other=0.0)
     has_target = tl.load(targets_ptr + rows, mask=mask, other=-1) >= 0
     gap = other - target_logit
-    cross_entropy = softplus(gap)
-    # log(e^O + e^z) = max + log(1 + e^-|O - z|); of two equal infinities, that infinity
-    # (their difference is NaN).
+    # Both are a maximum plus log(1 + e^-|O - z|): the softplus max(O - z, 0) + ..., exact where
+    # O - z is very negative (a sure row's loss), and log(e^O + e^z) = max(O, z) + ...; NaN
+    # propagates. Of two equal infinities the LSE is that infinity (their difference is NaN).
+    tail = log_one_plus(tl.exp(-tl.abs(gap)))
+    cross_entropy = tl.maximum(gap, 0.0) + tail
     both_infinite = (other == target_logit) & (tl.abs(other) == float("inf"))
-    lse = tl.where(both_infinite, other,
-                   tl.maximum(other, target_logit) + log_one_plus(tl.exp(-tl.abs(gap))))
+    lse = tl.where(both_infinite, other, tl.maximum(other, target_logit) + tail)
     lse = tl.where(has_target, lse, other)
     infinite = lse == float("inf")  # a +inf logit: PyTorch's softmax and loss are NaN there
     tl.store(lse_ptr + rows, lse, mask=mask)
