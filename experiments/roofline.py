@@ -30,7 +30,7 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -51,17 +51,43 @@ SHAPES = (
 )
 QUICK_SHAPES = (("quick", "tiny (CPU smoke test)", 96, 1000, 72),)
 
-# The launchers traced: (module, attribute, step name, kind of work).
+# The steps traced, in the table's order: (step name, kind of work).
 STEPS = (
-    (cce.cce_function, "sort_vocabulary", "vocabulary order", "bytes"),
-    (cce.cce_function, "indexed_dot", "target logits (indexed dot)", "bytes"),
-    (cce.cce_function, "lse_forward", "log-sum-exp forward", "logits"),
-    (cce.cce_function, "recompute_table", "table of tiles to recompute", "bytes"),
-    (cce.backward.run, "gradient_tiles", "recompute by grid rows (pass 1)", "recompute"),
-    (cce.backward.run, "gradient_times_embeddings", "product dE = G C", "dE"),
-    (cce.backward.run, "listed_gradient_tiles", "recompute by lists (pass 2 or one pass)",
-    "listed"), (cce.backward.run, "gradient_times_classifier", "product dC = G^T E", "dC"),
+    ("vocabulary order", "bytes"),
+    ("target logits (indexed dot)", "bytes"),
+    ("log-sum-exp forward", "logits"),
+    ("table of tiles to recompute", "bytes"),
+    ("recompute by grid rows (pass 1)", "recompute"),
+    ("product dE = G C", "dE"),
+    ("recompute by lists (pass 2 or one pass)", "listed"),
+    ("product dC = G^T E", "dC"),
 )
+
+
+def _recompute_step(store: Any) -> str:
+    return STEPS[4][0] if store.tile_lists is None else STEPS[6][0]
+
+
+def _product_step(product: Any) -> str:
+    return STEPS[7][0] if product.transposed else STEPS[5][0]
+
+
+# The launchers traced: (module, attribute, the step of a call from its first argument after
+# the launcher's inputs, or the step of every call).
+LAUNCHERS = (
+    (cce.cce_function, "sort_vocabulary", STEPS[0][0]),
+    (cce.cce_function, "indexed_dot", STEPS[1][0]),
+    (cce.cce_function, "lse_forward", STEPS[2][0]),
+    (cce.cce_function, "recompute_table", STEPS[3][0]),
+    (cce.backward.run, "store_gradient_tiles", ("store", _recompute_step)),
+    (cce.backward.run, "multiply", ("product", _product_step)),
+)
+
+
+def _listed_counts(launch: Any) -> torch.Tensor:
+    """The tiles per block that a recompute (:class:`cce.backward.gradient_tiles.TileStore`) or
+    a product (:class:`cce.backward.sparse_tile_matmul.Product`) lists."""
+    return launch.tile_lists.counts if hasattr(launch, "tile_lists") else launch.counts
 
 
 # About 2.5 ms of GPU spinning at an H100's clock: longer than any launcher takes to queue its
@@ -80,20 +106,25 @@ class StepTimer:
         self.arguments: dict[str, list[inspect.BoundArguments]] = defaultdict(list)
         self.results: dict[str, list[Any]] = defaultdict(list)
 
-    def wrap(self, step: str, launcher: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, step: Union[str, "tuple[str, Callable[[Any], str]]"],
+             launcher: Callable[..., Any]) -> Callable[..., Any]:
+        """``launcher`` timed as ``step``, or as the step that ``(argument, name_of)`` names from
+        the call's argument of that name."""
         signature = inspect.signature(launcher)
 
         @functools.wraps(launcher)
         def traced(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            name = step if isinstance(step, str) else step[1](bound.arguments[step[0]])
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if self.queue_ahead:
                 torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
             start.record()
             result = launcher(*args, **kwargs)
             end.record()
-            self.events.append((step, start, end))
-            self.arguments[step].append(signature.bind(*args, **kwargs))
-            self.results[step].append(result)
+            self.events.append((name, start, end))
+            self.arguments[name].append(bound)
+            self.results[name].append(result)
             return result
 
         return traced
@@ -108,10 +139,10 @@ class StepTimer:
 
 @contextlib.contextmanager
 def traced_steps(timer: StepTimer) -> Iterator[None]:
-    originals = [(module, attribute, getattr(module, attribute)) for module, attribute, _, _
-                 in STEPS]
+    originals = [(module, attribute, getattr(module, attribute))
+                 for module, attribute, _ in LAUNCHERS]
     try:
-        for (module, attribute, original), (_, _, step, _) in zip(originals, STEPS):
+        for (module, attribute, original), (_, _, step) in zip(originals, LAUNCHERS):
             setattr(module, attribute, timer.wrap(step, original))
         yield
     finally:
@@ -212,18 +243,13 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
     table = timer.results["table of tiles to recompute"]
     live = int((table[0] != 0).sum()) if table and table[0] is not None else all_tiles
 
-    def listed(step: str) -> int:
-        return sum(int(call.arguments["tile_lists"].counts.sum())
+    def listed(step: str, argument: str) -> int:
+        """The tiles the step's calls list (a product's lists count what it multiplies)."""
+        return sum(int(_listed_counts(call.arguments[argument]).sum())
                    for call in timer.arguments[step])
 
-    def products_de() -> int:
-        return sum(int((call.arguments["flags"][call.arguments["token_blocks"].start:
-                                                 call.arguments["token_blocks"].stop] != 0).sum())
-                   for call in timer.arguments["product dE = G C"])
-
-    tiles = {"logits": all_tiles, "recompute": live, "dE": products_de(),
-             "listed": listed("recompute by lists (pass 2 or one pass)"),
-             "dC": listed("product dC = G^T E")}
+    tiles = {"logits": all_tiles, "recompute": live, "dE": listed(STEPS[5][0], "product"),
+             "listed": listed(STEPS[6][0], "store"), "dC": listed(STEPS[7][0], "product")}
     element = e.element_size()
     moved_bytes = {
         "vocabulary order": (v * d + n * d) * element + v * 8,
@@ -234,7 +260,7 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
                       "dE": "dE", "dC": "dC"}
 
     rows = []
-    for _, _, step, work in STEPS:
+    for step, work in STEPS:
         ms = medians.get(step)
         if ms is None:
             continue

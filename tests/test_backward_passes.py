@@ -23,7 +23,7 @@ from cce.backward.plan import BackwardPlan, ClassifierPlan, forced
 from cce.cce_function import loss_backward, loss_forward
 from cce.forward.classifier_sums import (classifier_sums, classifier_sums_by_kernel,
                                          classifier_sums_by_torch)
-from cce.config import kernel_configs
+from cce.config import dot_precision, kernel_configs
 from cce.host_copy import start_host_copy
 from cce.backward.tile_lists import build_tile_lists
 from cce.backward.partial_sums import sum_partials
@@ -338,7 +338,7 @@ def test_sum_partials_adds_the_splits_in_order_and_rounds_once(dtype: torch.dtyp
     valid rows (a count that is no multiple of the kernel's block)."""
     partial = torch.randn(3, 40, 72, generator=gen).to(device)
     out = torch.zeros(50, 72, dtype=dtype, device=device)
-    sum_partials(partial[:, :37], out[5:42])
+    sum_partials(partial[:, :37], out[5:42], dot_precision(dtype))
     expected = ((partial[0, :37] + partial[1, :37]) + partial[2, :37]).to(dtype)
     assert torch.equal(out[5:42], expected)
     assert not out[:5].any() and not out[42:].any()
@@ -378,9 +378,9 @@ def test_classifier_sums_of_a_cpu_classifier(gen: torch.Generator) -> None:
 def test_sum_partials_rejects_an_output_it_cannot_write_in_place(device: str) -> None:
     partial = torch.zeros(2, 8, 4, device=device)
     with pytest.raises(ValueError, match=r"out must be a contiguous \(8, 4\) tensor"):
-        sum_partials(partial, torch.zeros(4, 8, device=device).T)
+        sum_partials(partial, torch.zeros(4, 8, device=device).T, "ieee")
     with pytest.raises(ValueError, match=r"out must be a contiguous \(8, 4\) tensor"):
-        sum_partials(partial, torch.zeros(8, 5, device=device))
+        sum_partials(partial, torch.zeros(8, 5, device=device), "ieee")
 
 
 def _classifier_gradients(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,

@@ -1,7 +1,7 @@
 """Backward, the dC product on Hopper GPUs: ``dC = G^T E`` with the rows of e copied as tiles by
 the tensor memory accelerator (TMA), in a warp-specialized Gluon kernel.
 
-Same work and result as :func:`cce.backward.sparse_tile_matmul.gradient_times_classifier` (one
+Same work and result as the dC product of :func:`cce.backward.sparse_tile_matmul.multiply` (one
 program per block of 128 vocabulary positions and BLOCK_OUT columns of dC, walking the list of the
 token blocks whose tiles are stored in its slots), written out by hand:
 
@@ -222,9 +222,9 @@ if gluon is not None:
 
 def launch(tiles: "ProductTiles", io: "ProductIO", settings: "ProductSettings",
            segments_per_page: int, chunk_slots: bool) -> None:
-    """The dC product of :func:`cce.backward.sparse_tile_matmul.gradient_times_classifier`'s
-    launch groups (``io.operand`` is e; no bias gradient or rank-one term), where the plan chose
-    this kernel (``settings.by_tma``, after :func:`usable`)."""
+    """The dC product of :func:`cce.backward.sparse_tile_matmul.multiply`'s launch groups
+    (``io.operand`` is e; no bias gradient or rank-one term), where the plan chose this kernel
+    (``settings.by_tma``, after :func:`usable`)."""
     config, block, block_out = settings.config, settings.grid.block_tokens, settings.block_out
     e = io.operand
     layout = gl.NVMMASharedLayout.get_default_for(

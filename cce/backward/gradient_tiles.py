@@ -4,17 +4,18 @@ Tiles are recomputed on-chip (one N x V x D product's worth of work for a whole 
 exactly (gradient filtering: every entry below ``filter_eps``) and stored in the chunk's scratch
 (:mod:`cce.backward.scratch`) in the input dtype, for the products that follow.
 
-- Pass 1 (:func:`gradient_tiles`): one program per tile of the chunk's rows of the live grid.
-  Tiles that the forward's bounds prove negligible are skipped without a recompute; ``flags``
-  records which tiles survived the filter and were stored. The stored tiles fill whole rows of
-  the grid, or, given a slot for every live tile, only their slots: a chunk of the same scratch
-  then holds more rows. With ``kept_mass``, it also adds up each row's softmax mass in the
-  stored tiles (off its target), for the dE product's estimate of what the filter dropped
-  (:mod:`cce.backward.sparse_tile_matmul`). The sum is in fixed point (units of 2^-62), so that
-  the atomic additions are exact and the result does not depend on their order.
-- Pass 2 (:func:`listed_gradient_tiles`): one program per tile of the chunk's lists, the tiles
-  pass 1 stored (:mod:`cce.backward.tile_lists`), each stored in a slot of its own, so that the
-  chunk's scratch holds only those.
+- Pass 1 (by grid rows; :class:`TileStore` says which tiles): one program per tile of the
+  chunk's rows of the live grid. Tiles that the forward's bounds prove negligible are skipped
+  without a recompute; ``flags`` records which tiles survived the filter and were stored. The
+  stored tiles fill whole rows of the grid, or, given a slot for every live tile, only their
+  slots: a chunk of the same scratch then holds more rows. With ``kept_mass``, it also adds up
+  each row's softmax mass in the stored tiles (off its target), for the dE product's estimate
+  of what the filter dropped (:mod:`cce.backward.sparse_tile_matmul`). The sum is in fixed
+  point (units of 2^-62), so that the atomic additions are exact and the result does not
+  depend on their order.
+- Pass 2 and the one pass (by lists): one program per tile of the chunk's lists (pass 2: the
+  tiles pass 1 stored; :mod:`cce.backward.tile_lists`), each stored in a slot of its own, so
+  that the chunk's scratch holds only those.
 """
 
 from __future__ import annotations
@@ -58,12 +59,12 @@ class TileOperands(NamedTuple):
 
 
 class TileChoice(NamedTuple):
-    """Which tiles a launch recomputes and where they go. Pass 1: ``chunk_token_blocks x
-    chunk_vocab_blocks`` grid tiles from (``first_token_block``, ``first_vocab_block``), live
-    ones only with ``live_tiles``, each in its slot with ``slot_map`` (counted from
-    ``first_slots[0]``), else whole rows; ``flags`` set. Pass 2: the tiles of ``lists`` (per
-    vocabulary block of the chunk, ``counts`` token blocks from slot ``first_slots[block]``).
-    ``kept_mass``: see :func:`gradient_tiles`."""
+    """A :class:`TileStore` as the recompute kernel takes it (one argument). By grid rows:
+    ``chunk_token_blocks x chunk_vocab_blocks`` grid tiles from (``first_token_block``,
+    ``first_vocab_block``), live ones only with ``live_tiles``, each in its slot with
+    ``slot_map`` (counted from ``first_slots[0]``), else whole rows; ``flags`` set. By lists:
+    the tiles of ``lists`` (per vocabulary block of the chunk, ``counts`` token blocks from slot
+    ``first_slots[block]``)."""
 
     scratch: ScratchView
     flags: Optional[torch.Tensor]
@@ -179,63 +180,69 @@ class RecomputeInputs(NamedTuple):
     entropy: Optional[EntropyTerm] = None
 
 
-def gradient_tiles(recompute: RecomputeInputs, live_tiles: Optional[torch.Tensor],
-                   flags: torch.Tensor, scratch: Scratch, token_blocks: range,
-                   vocab_blocks: range, configs: KernelConfigs, *,
-                   kept_mass: Optional[torch.Tensor] = None,
-                   slot_map: Optional[torch.Tensor] = None,
-                   first_slot: Optional[torch.Tensor] = None) -> None:
-    """Pass 1: store the surviving tiles of ``token_blocks x vocab_blocks`` (live-grid blocks)
-    in ``scratch`` and set their ``flags`` (int32, one per live-grid tile: 1 = stored). The
-    tiles go to whole rows of the grid, or, with ``slot_map`` (int32, token blocks x vocabulary
-    blocks; needs ``live_tiles``), each live tile to its slot, counted from ``first_slot``
-    (int32, first element) at the scratch's start. Adds the softmax mass of the stored tiles
-    off the targets to ``kept_mass`` (int64 (N,), module docstring) when given. ``configs``:
-    the backward's kernel settings (:func:`cce.config.kernel_configs`)."""
-    _launch(recompute, live_tiles, flags, scratch, token_blocks, vocab_blocks, configs,
-            kept_mass=kept_mass, slot_map=slot_map, first_slot=first_slot)
+class TileStore(NamedTuple):
+    """One recompute launch, as the backward's schedule gives it (:mod:`cce.backward.run`):
+    which tiles of ``G`` it stores in ``scratch``.
+
+    - By grid rows (pass 1; ``flags`` given): the tiles of ``token_blocks x vocab_blocks``
+      (live-grid blocks), live ones only with ``live_tiles``; the survivors' ``flags`` (int32,
+      one per live-grid tile) set to 1, the others' to 0. They go to whole rows of the grid,
+      or, with ``slot_map`` (int32, token blocks x vocabulary blocks; needs ``live_tiles``),
+      each to its slot, counted from ``first_slot`` (int32, first element) at the scratch's
+      start.
+    - By lists (pass 2 and the one pass; ``tile_lists`` given): the listed tiles of
+      ``vocab_blocks`` (per vocabulary block, the token blocks to store; ``longest_list``: at
+      least the longest of those lists), each in its slot; tiles the filter drops are stored
+      as zeros.
+
+    ``kept_mass`` (int64 (N,), module docstring): adds the softmax mass of the stored tiles off
+    the targets, when given. ``filters``: False where an earlier pass filtered these tiles
+    already, so the recompute skips the test."""
+
+    scratch: Scratch
+    vocab_blocks: range
+    token_blocks: range = range(0)
+    flags: Optional[torch.Tensor] = None
+    live_tiles: Optional[torch.Tensor] = None
+    slot_map: Optional[torch.Tensor] = None
+    first_slot: Optional[torch.Tensor] = None
+    tile_lists: Optional[TileLists] = None
+    longest_list: int = 1
+    kept_mass: Optional[torch.Tensor] = None
+    filters: bool = True
 
 
-def listed_gradient_tiles(recompute: RecomputeInputs, scratch: Scratch, tile_lists: TileLists,
-                          longest_list: int, vocab_blocks: range, configs: KernelConfigs, *,
-                          kept_mass: Optional[torch.Tensor] = None) -> None:
-    """Pass 2: store the listed tiles of ``vocab_blocks`` (``tile_lists``: per vocabulary block,
-    the token blocks to store; ``longest_list``: at least the longest of those lists), each in
-    its slot; tiles the filter drops are stored as zeros. ``kept_mass`` (when this is the
-    backward's only recompute): as in :func:`gradient_tiles`."""
-    _launch(recompute, None, None, scratch, range(0), vocab_blocks, configs, tile_lists=tile_lists,
-            longest_list=longest_list, kept_mass=kept_mass)
-
-
-def _launch(recompute: RecomputeInputs, live_tiles: Optional[torch.Tensor],
-            flags: Optional[torch.Tensor], scratch: Scratch, token_blocks: range,
-            vocab_blocks: range, configs: KernelConfigs, *,
-            tile_lists: Optional[TileLists] = None, longest_list: int = 1,
-            kept_mass: Optional[torch.Tensor] = None,
-            slot_map: Optional[torch.Tensor] = None,
-            first_slot: Optional[torch.Tensor] = None) -> None:
-    listed = tile_lists is not None
+def store_gradient_tiles(recompute: RecomputeInputs, store: TileStore,
+                         configs: KernelConfigs) -> None:
+    """Recompute and store the tiles ``store`` names (:class:`TileStore`). ``configs``: the
+    backward's kernel settings (:func:`cce.config.kernel_configs`)."""
+    listed = store.tile_lists is not None
     grid = configs.live_grid
     if listed and recompute.softcap is not None:
         config = configs.softcap_listed_gradient_tiles
     else:
         config = configs.gradient_tiles
-    # Pass 1: one program per tile of the chunk; pass 2: one per entry of each block's list.
-    programs = len(vocab_blocks) * (longest_list if listed else len(token_blocks))
+    # Pass 1: one program per tile of the chunk; by lists: one per entry of each block's list.
+    programs = len(store.vocab_blocks) * (store.longest_list if listed
+                                          else len(store.token_blocks))
     if programs == 0:
         return
+    tile_lists = store.tile_lists
     tiles = TileChoice(
         num_vocab_blocks=triton.cdiv(recompute.c.shape[0], grid.block_vocab),
-        first_token_block=token_blocks.start, first_vocab_block=vocab_blocks.start,
-        chunk_token_blocks=len(token_blocks), chunk_vocab_blocks=len(vocab_blocks),
-        live_tiles=live_tiles, slot_map=slot_map,
-        first_slots=tile_lists.first_slots if listed else first_slot,
+        first_token_block=store.token_blocks.start, first_vocab_block=store.vocab_blocks.start,
+        chunk_token_blocks=len(store.token_blocks), chunk_vocab_blocks=len(store.vocab_blocks),
+        live_tiles=store.live_tiles, slot_map=store.slot_map,
+        first_slots=tile_lists.first_slots if listed else store.first_slot,
         lists=tile_lists.lists if listed else None,
         counts=tile_lists.counts if listed else None,
-        list_stride=tile_lists.lists.stride(0) if listed else 0, longest_list=longest_list,
-        scratch=scratch.view, flags=flags, kept_mass=kept_mass)
+        list_stride=tile_lists.lists.stride(0) if listed else 0,
+        longest_list=store.longest_list, scratch=store.scratch.view, flags=store.flags,
+        kept_mass=store.kept_mass)
+    if not store.filters:
+        recompute = recompute._replace(filter_eps=None)
     gradient_tiles_kernel[(programs,)](
-        tile_operands(recompute), tiles, SEGMENTS_PER_PAGE=scratch.segments_per_page,
+        tile_operands(recompute), tiles, SEGMENTS_PER_PAGE=store.scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=configs.dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import dot_precision, interpreting
+from cce.config import interpreting
 from cce.logit_tile import round_to
 
 _BLOCK = 1024
@@ -34,10 +34,11 @@ def partial_sums_kernel(partial_ptr, out_ptr, splits, elements, stride_split,
              mask=mask)
 
 
-def sum_partials(partial: torch.Tensor, out: torch.Tensor) -> None:
+def sum_partials(partial: torch.Tensor, out: torch.Tensor, dot_precision: str) -> None:
     """``out = partial.sum(0)`` in ``out``'s dtype, rounded once, with no temporary.
     ``partial``: float32 (splits, rows, columns), each split contiguous; ``out``: contiguous
-    (rows, columns)."""
+    (rows, columns); ``dot_precision``: the launch settings' (:func:`cce.config.dot_precision`),
+    which say how to round."""
     splits, rows, columns = partial.shape
     if out.shape != (rows, columns) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous ({rows}, {columns}) tensor, got "
@@ -49,4 +50,4 @@ def sum_partials(partial: torch.Tensor, out: torch.Tensor) -> None:
     if elements:
         partial_sums_kernel[(triton.cdiv(elements, block),)](
             partial, out, splits, elements, partial.stride(0),
-            BLOCK=block, DOT_PRECISION=dot_precision(out.dtype))
+            BLOCK=block, DOT_PRECISION=dot_precision)

@@ -32,7 +32,7 @@ import triton
 from cce.backward import classifier_product
 from cce.choices import Seam
 from cce.config import (DEDICATED_SCRATCH_BYTES, SLOT_CHUNK_TOKENS, SPARE_SCRATCH_BYTES,
-                        KernelConfig, KernelConfigs, kernel_configs, sm_utilization,
+                        KernelConfig, KernelConfigs, sm_utilization,
                         split_count, whole_waves)
 from cce.backward.gradient_tiles import RecomputeInputs
 from cce.host_copy import start_host_copy
@@ -219,13 +219,13 @@ class _Problem(NamedTuple):
         return SPARE_SCRATCH_BYTES if spare is None else spare
 
 
-def plan_backward(recompute: RecomputeInputs, request: BackwardRequest) -> BackwardPlan:
-    """The plan of the backward of ``recompute`` for ``request`` (module docstring); allocates
+def plan_backward(recompute: RecomputeInputs, request: BackwardRequest,
+                  configs: KernelConfigs) -> BackwardPlan:
+    """The plan of the backward of ``recompute`` for ``request`` with the kernel settings
+    ``configs`` (:func:`cce.config.kernel_configs` of e's dtype; module docstring); allocates
     the gradients and queues the work of the one host sync."""
     e, c = recompute.e, recompute.c
-    problem = _Problem(recompute, request, kernel_configs(e.dtype),
-                       _SEAM.choices,
-                       host_may_sync(e.device))
+    problem = _Problem(recompute, request, configs, _SEAM.choices, host_may_sync(e.device))
     grad_c = (torch.empty(c.shape, dtype=c.dtype, device=c.device)
               if request.needs_grad_c else None)
     grad_bias = (torch.empty_like(recompute.bias)
@@ -282,13 +282,14 @@ def _pass_two_plan(sizing: PassTwoSizing, listed: ListedTiles) -> ClassifierPlan
     spare_tiles = _spare_tiles(tiles_per_block, grad_c, grid, sizing.spare_bytes)
     # Vocabulary positions -> rows of dC: the free rows are those of later positions.
     position_rows = _position_rows(sizing.vocab_order, grad_c.shape[0], grad_c.device)
+    placed = _classifier_chunks(tiles_per_block, grad_c.shape[0], grad_c.shape[1],
+                                grid.block_tokens, grid.block_vocab,
+                                rows_can_hold_segments(grad_c, grid.block_vocab), spare_tiles)
     chunks = [
         ClassifierChunk(vocab_blocks, None if in_spare else Scratch.in_rows(
             grad_c, position_rows[vocab_blocks.stop * grid.block_vocab:], grid.block_vocab),
             True, _longest_list(tiles_per_block, vocab_blocks))
-        for vocab_blocks, in_spare in _classifier_chunks(
-            tiles_per_block, grad_c.shape[0], grad_c.shape[1], grid.block_tokens,
-            grid.block_vocab, rows_can_hold_segments(grad_c, grid.block_vocab), spare_tiles)]
+        for vocab_blocks, in_spare in placed]
     return ClassifierPlan(tile_lists, spare_tiles, chunks, sizing.product, sizing.filters)
 
 

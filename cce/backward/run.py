@@ -1,8 +1,10 @@
 """Backward (paper Alg. 3): dE and dC from logit-gradient tiles recomputed once per pass.
 
 Planned, then run: :mod:`cce.backward.plan` decides the path, the chunks, the scratch and the
-launch settings on the host, once per call; :func:`run_backward` launches the kernels in that
-order. What follows is the plan's schedule.
+launch settings on the host, once per call; :func:`launches` turns the plan into one step per
+chunk, a recompute (:class:`cce.backward.gradient_tiles.TileStore`) then a product
+(:class:`cce.backward.sparse_tile_matmul.Product`), and :func:`run_backward` launches them in
+one loop. What follows is the plan's schedule.
 
 Two passes over the tile grid, each in chunks. A chunk's surviving tiles of ``G`` (the gradient
 of the logits) are recomputed once and stored (:mod:`cce.backward.gradient_tiles`), then multiplied
@@ -46,17 +48,18 @@ records which tiles survive the exact filter, so pass 2 only recomputes those.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Iterator, Optional, Union
 
 import torch
 
+from cce.config import kernel_configs
 from cce.backward.epilogue_terms import FilterCorrection, RankOneUpdate
 from cce.backward.plan import (BackwardPlan, BackwardRequest, CorrectionInputs, Gradients,
                                plan_backward, plan_pass_two)
-from cce.backward.gradient_tiles import RecomputeInputs, gradient_tiles, listed_gradient_tiles
+from cce.backward.gradient_tiles import RecomputeInputs, TileStore, store_gradient_tiles
 from cce.backward.scratch import Scratch
-from cce.backward.sparse_tile_matmul import gradient_times_classifier, gradient_times_embeddings
-from cce.backward.tile_lists import ListedTiles
+from cce.backward.sparse_tile_matmul import Product, multiply
+from cce.backward.tile_lists import ListedTiles, build_tile_lists
 
 __all__ = ["BackwardRequest", "CorrectionInputs", "linear_cross_entropy_backward",
            "run_backward"]
@@ -67,15 +70,29 @@ def linear_cross_entropy_backward(recompute: RecomputeInputs,
     """(dE, dC, dbias), each None when not needed, of the tiles ``recompute`` describes
     (:class:`cce.backward.gradient_tiles.RecomputeInputs`). When ``c`` is one shard of the
     vocabulary (:mod:`cce.vocab_parallel`), ``recompute.lse`` is the whole vocabulary's."""
-    plan = plan_backward(recompute, request)
+    plan = plan_backward(recompute, request, kernel_configs(recompute.e.dtype))
     return run_backward(plan, recompute)
 
 
 def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
-    """Launch the kernels of ``plan`` (:func:`cce.backward.plan.plan_backward`), in order: the
-    one pass's recompute and dE product, or pass 1's chunks; then dC's chunks. Decides
-    nothing: pass 2's chunks come from :func:`cce.backward.plan.plan_pass_two`. What only the
-    products read is queued behind the first recompute (:class:`_ProductTerms`)."""
+    """Launch the steps of ``plan`` (:func:`cce.backward.plan.plan_backward`) in order
+    (:func:`launches`): each chunk's recompute, then its product. Decides nothing."""
+    for launch in launches(plan, recompute):
+        if isinstance(launch, TileStore):
+            store_gradient_tiles(recompute, launch, plan.configs)
+        else:
+            multiply(launch)
+        del launch  # the next launch may allocate what this one's scratch frees
+    return plan.gradients
+
+
+def launches(plan: BackwardPlan, recompute: RecomputeInputs
+             ) -> Iterator[Union[TileStore, Product]]:
+    """The kernels of ``plan`` in launch order, a recompute then its product per chunk: the one
+    pass's, or pass 1's chunks; then dC's chunks. Each is made once the one before it is
+    launched, so what only the products read is queued behind the first recompute
+    (:class:`_ProductTerms`), and pass 1 lists its kept tiles behind its last recompute; pass 2
+    is planned (:func:`cce.backward.plan.plan_pass_two`) while the GPU runs the last product."""
     e, c, vocab_order = recompute.e, recompute.c, recompute.vocab_order
     configs, classifier = plan.configs, plan.classifier
     grad_e, grad_c, grad_bias = plan.gradients
@@ -85,41 +102,36 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
     terms = _ProductTerms(plan, recompute)
     if one_pass is not None:
         table = one_pass.live_tiles
-        listed_gradient_tiles(recompute, one_pass.scratch, one_pass.tile_lists,
-                              one_pass.longest_list, range(table.shape[1]), configs,
-                              kept_mass=kept_mass)
-        gradient_times_embeddings(one_pass.scratch, table, c, vocab_order, grad_e,
-                                  range(table.shape[0]), one_pass.product,
-                                  filter_correction=terms.correction, rank_one=terms.embeddings,
-                                  slot_map=one_pass.tile_lists.slot_map(transposed=True))
+        yield TileStore(one_pass.scratch, range(table.shape[1]), tile_lists=one_pass.tile_lists,
+                        longest_list=one_pass.longest_list, kept_mass=kept_mass)
+        yield Product(False, one_pass.scratch, range(table.shape[0]), *build_tile_lists(table),
+                      c, vocab_order, grad_e, one_pass.product,
+                      slot_map=one_pass.tile_lists.slot_map(transposed=True),
+                      correction=terms.correction, rank_one=terms.embeddings)
     if pass_one is not None:
         flags = pass_one.flags
         scratch = (Scratch.dedicated(pass_one.buffer_segments, grid.block_vocab, e.dtype,
                                      e.device) if pass_one.buffer_segments
                    else Scratch.in_all_rows(grad_c, grid.block_vocab))
-        room = None
+        listed = None
         for chunk in pass_one.chunks:
-            room = _room_after(scratch, chunk.used_segments)
-            gradient_tiles(recompute, plan.live_tiles, flags, scratch, chunk.token_blocks,
-                           range(flags.shape[1]), configs, kept_mass=kept_mass,
-                           slot_map=pass_one.slot_map, first_slot=chunk.first_slot)
-            if plan.pass_two is not None and chunk.token_blocks.stop == flags.shape[0]:
+            rows = chunk.token_blocks
+            yield TileStore(scratch, range(flags.shape[1]), rows, flags, plan.live_tiles,
+                            pass_one.slot_map, chunk.first_slot, kept_mass=kept_mass)
+            if plan.pass_two is not None and rows.stop == flags.shape[0]:
                 # Pass 1 filtered every tile exactly: its final flags are the tiles pass 2
                 # stores. Listed before the last product, which the GPU runs while the host
                 # reads the lists' lengths and plans pass 2.
                 listed = ListedTiles.of(flags, plan.host_may_sync)
-            gradient_times_embeddings(scratch, flags, c, vocab_order, grad_e,
-                                      chunk.token_blocks, chunk.product, room=room,
-                                      filter_correction=terms.correction,
-                                      rank_one=terms.embeddings, slot_map=pass_one.slot_map,
-                                      first_slot=chunk.first_slot)
-        del scratch, room
+            yield Product(False, scratch, rows, *build_tile_lists(flags[rows.start:rows.stop]),
+                          c, vocab_order, grad_e, chunk.product, chunk.first_slot,
+                          chunk_slots=chunk.first_slot is not None, slot_map=pass_one.slot_map,
+                          room=_room_after(scratch, chunk.used_segments),
+                          correction=terms.correction, rank_one=terms.embeddings)
+        del scratch
         if plan.pass_two is not None:
             classifier = plan_pass_two(plan.pass_two, listed)
     if classifier is not None:
-        if not classifier.filters:
-            # Pass 1's tiles survived the filter already: the same recompute needs no test.
-            recompute = recompute._replace(filter_eps=None)
         spare = None
         for chunk in classifier.chunks:
             scratch = chunk.scratch
@@ -127,14 +139,15 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
                 spare = spare or Scratch.dedicated(classifier.spare_tiles * grid.block_tokens,
                                                    grid.block_vocab, c.dtype, c.device)
                 scratch = spare
-            chunk_lists = classifier.tile_lists.rows(chunk.vocab_blocks)
+            tile_lists = classifier.tile_lists.rows(chunk.vocab_blocks)
             if chunk.recomputes:
-                listed_gradient_tiles(recompute, scratch, chunk_lists, chunk.longest_list,
-                                      chunk.vocab_blocks, configs)
-            gradient_times_classifier(scratch, chunk_lists, e, vocab_order, grad_c, grad_bias,
-                                      chunk.vocab_blocks, classifier.product,
-                                      rank_one=terms.classifier, chunk_slots=chunk.recomputes)
-    return plan.gradients
+                # filters: False where pass 1's filter kept these tiles already.
+                yield TileStore(scratch, chunk.vocab_blocks, tile_lists=tile_lists,
+                                longest_list=chunk.longest_list, filters=classifier.filters)
+            yield Product(True, scratch, chunk.vocab_blocks, tile_lists.lists, tile_lists.counts,
+                          e, vocab_order, grad_c, classifier.product, tile_lists.first_slots,
+                          chunk_slots=chunk.recomputes, grad_bias=grad_bias,
+                          rank_one=terms.classifier)
 
 
 class _ProductTerms:

@@ -33,7 +33,6 @@ from cce.config import KernelConfig
 from cce.backward import classifier_product
 from cce.backward.epilogue_terms import FilterCorrection, RankOneUpdate
 from cce.backward.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
-from cce.backward.tile_lists import TileLists, build_tile_lists
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
 from cce.backward.partial_sums import sum_partials
 from cce.backward.scratch import Scratch, ScratchView, segment_offsets
@@ -226,56 +225,53 @@ class ProductSettings(NamedTuple):
     by_tma: bool = False
 
 
-def gradient_times_embeddings(scratch: Scratch, flags: torch.Tensor, c: torch.Tensor,
-                              vocab_order: Optional[torch.Tensor], grad_e: torch.Tensor,
-                              token_blocks: range, settings: ProductSettings, *,
-                              room: Optional[torch.Tensor] = None,
-                              filter_correction: Optional[FilterCorrection] = None,
-                              rank_one: Optional[RankOneUpdate] = None,
-                              slot_map: Optional[torch.Tensor] = None,
-                              first_slot: Optional[torch.Tensor] = None) -> None:
-    """``grad_e[rows of token_blocks] = G @ c`` for a chunk of rows of the tile grid (pass 1:
-    its tiles stored as whole rows of the grid, or in slots with ``slot_map``; ``flags`` say
-    which tiles hold something), plus the filtered mass along the mean row of c when
-    ``filter_correction`` is given, plus ``rank_one`` (:meth:`RankOneUpdate.for_embeddings`) when
-    given.
-    ``room``: free float32 memory for the partial sums of a split product. ``slot_map``: int32
-    (token blocks, vocabulary blocks), the slot of each flagged tile when the tiles are stored
-    in slots rather than as whole rows of the grid; ``first_slot``: int32, first element: the
-    slot the scratch holds at its start (None: slot 0)."""
-    lists, counts = build_tile_lists(flags[token_blocks.start:token_blocks.stop])
-    _launch(scratch, lists, counts, first_slot, c, vocab_order, grad_e, None,
-            first_block=token_blocks.start, chunk_vocab_blocks=flags.shape[1],
-            transposed=False, settings=settings, room=room,
-            filter_correction=filter_correction, rank_one=rank_one, slot_map=slot_map,
-            chunk_slots=first_slot is not None)
+class Product(NamedTuple):
+    """One product launch, as the backward's schedule gives it (:mod:`cce.backward.run`): the
+    tiles of ``scratch`` times ``operand`` into ``out``, ``settings`` deciding how. Each output
+    block (``out_blocks``) sums the tiles of its list: ``lists`` (int32, a row per output block)
+    holds the other blocks, ``counts`` of them (:func:`cce.backward.tile_lists.build_tile_lists`).
+
+    - dE (``transposed`` False): ``out[rows of out_blocks] = G @ operand`` (``operand`` = c) for
+      a chunk of rows of the tile grid (``out_blocks``: token blocks), its tiles stored as whole
+      rows of the grid, or in slots with ``slot_map`` (int32 (token blocks, vocabulary blocks),
+      the slot of each stored tile); ``chunk_slots``: the slot map numbers every chunk's slots,
+      this chunk's from ``first_slots[0]`` at the scratch's start. ``room``: free float32 memory
+      for the partial sums of a split product. ``correction``: the filtered mass along the mean
+      row of c.
+    - dC (``transposed`` True): ``out[rows of out_blocks] = G^T @ operand`` (``operand`` = e;
+      ``grad_bias`` too, when given) for a chunk of whole columns of the tile grid
+      (``out_blocks``: vocabulary blocks), the k-th tile of block r's list in slot
+      ``first_slots[r] + k``; ``chunk_slots``: counted from ``first_slots[0]`` at the scratch's
+      start (pass 2), else over all blocks (``lists`` is then a slice of lists built for every
+      block).
+
+    ``rank_one``: added when given (:meth:`RankOneUpdate.for_embeddings`,
+    :meth:`RankOneUpdate.for_classifier`); ``vocab_order``: the rows of c (dE's operand, dC's
+    output) by vocabulary position."""
+
+    transposed: bool
+    scratch: Scratch
+    out_blocks: range
+    lists: torch.Tensor
+    counts: torch.Tensor
+    operand: torch.Tensor
+    vocab_order: Optional[torch.Tensor]
+    out: torch.Tensor
+    settings: ProductSettings
+    first_slots: Optional[torch.Tensor] = None
+    chunk_slots: bool = False
+    slot_map: Optional[torch.Tensor] = None
+    room: Optional[torch.Tensor] = None
+    grad_bias: Optional[torch.Tensor] = None
+    correction: Optional[FilterCorrection] = None
+    rank_one: Optional[RankOneUpdate] = None
 
 
-def gradient_times_classifier(scratch: Scratch, tile_lists: TileLists, e: torch.Tensor,
-                              vocab_order: Optional[torch.Tensor], grad_c: torch.Tensor,
-                              grad_bias: Optional[torch.Tensor], vocab_blocks: range,
-                              settings: ProductSettings, *,
-                              rank_one: Optional[RankOneUpdate] = None,
-                              chunk_slots: bool = True) -> None:
-    """``grad_c[rows of vocab_blocks] = G^T @ e`` (and the bias gradient) for a chunk of whole
-    columns of the tile grid (the tiles of ``tile_lists``, each in its slot), plus ``rank_one``
-    (:meth:`RankOneUpdate.for_classifier`) when given. ``chunk_slots``: the scratch holds the
-    chunk's tiles from its slot 0 (pass 2); False: every block's tiles, numbered over all blocks
-    (``tile_lists`` is then a slice of lists built for every block)."""
-    _launch(scratch, tile_lists.lists, tile_lists.counts, tile_lists.first_slots, e,
-            vocab_order, grad_c, grad_bias, first_block=vocab_blocks.start,
-            chunk_vocab_blocks=len(vocab_blocks), transposed=True, settings=settings,
-            rank_one=rank_one, chunk_slots=chunk_slots)
-
-
-def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
-            first_slots: Optional[torch.Tensor], operand: torch.Tensor,
-            vocab_order: Optional[torch.Tensor], out: torch.Tensor,
-            grad_bias: Optional[torch.Tensor], *, first_block: int, chunk_vocab_blocks: int,
-            transposed: bool, settings: ProductSettings, room: Optional[torch.Tensor] = None,
-            filter_correction: Optional[FilterCorrection] = None,
-            rank_one: Optional[RankOneUpdate] = None,
-            slot_map: Optional[torch.Tensor] = None, chunk_slots: bool = True) -> None:
+def multiply(product: Product) -> None:
+    """Launch ``product`` (:class:`Product`)."""
+    scratch, settings, operand, out = (product.scratch, product.settings, product.operand,
+                                       product.out)
+    transposed, first_block, lists = product.transposed, product.out_blocks.start, product.lists
     grid, config, block_out, splits = (settings.grid, settings.config, settings.block_out,
                                        settings.splits)
     dim = operand.shape[1]
@@ -287,27 +283,34 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
     partial = None
     if splits > 1:
         # The partial sums go to the scratch's unused end where they fit.
+        room = product.room
         if room is not None and splits * rows * dim <= room.numel():
             partial = room[:splits * rows * dim].view(splits, rows, dim)
         else:
             partial = torch.empty((splits, rows, dim), dtype=torch.float32, device=out.device)
-    tiles = ProductTiles(scratch=scratch.view, lists=lists, counts=counts,
-                         list_stride=lists.stride(0), first_slots=first_slots,
-                         slot_map=slot_map, chunk_vocab_blocks=chunk_vocab_blocks,
+    # dE's tiles are addressed by their grid column, of all the grid's.
+    chunk_vocab_blocks = (len(product.out_blocks) if transposed
+                          else triton.cdiv(vocab_size, grid.block_vocab))
+    tiles = ProductTiles(scratch=scratch.view, lists=lists, counts=product.counts,
+                         list_stride=lists.stride(0), first_slots=product.first_slots,
+                         slot_map=product.slot_map, chunk_vocab_blocks=chunk_vocab_blocks,
                          first_block=first_block, num_out_blocks=num_out_blocks)
-    io = ProductIO(operand=operand, operand_strides=operand.stride(), vocab_order=vocab_order,
-                   out=out, partial=partial, grad_bias=grad_bias, num_tokens=num_tokens,
-                   vocab_size=vocab_size, dim=dim)
+    io = ProductIO(operand=operand, operand_strides=operand.stride(),
+                   vocab_order=product.vocab_order, out=out, partial=partial,
+                   grad_bias=product.grad_bias, num_tokens=num_tokens, vocab_size=vocab_size,
+                   dim=dim)
     if settings.by_tma:
         # The plan chose the Hopper kernel where classifier_product.usable() holds: the dC
         # product alone, with no bias gradient, rank-one term or split.
-        assert transposed and partial is None and grad_bias is None and rank_one is None
-        classifier_product.launch(tiles, io, settings, scratch.segments_per_page, chunk_slots)
+        assert (transposed and partial is None and product.grad_bias is None
+                and product.rank_one is None)
+        classifier_product.launch(tiles, io, settings, scratch.segments_per_page,
+                                  product.chunk_slots)
         return
     sparse_tile_matmul_kernel[(programs * splits,)](
-        tiles, io, filter_correction or FilterCorrection(None, None, None),
-        rank_one or RankOneUpdate(None, None, None),
-        TRANSPOSED=transposed, SPLITS=splits, CHUNK_SLOTS=chunk_slots,
+        tiles, io, product.correction or FilterCorrection(None, None, None),
+        product.rank_one or RankOneUpdate(None, None, None),
+        TRANSPOSED=transposed, SPLITS=splits, CHUNK_SLOTS=product.chunk_slots,
         SEGMENTS_PER_PAGE=scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_OUT=block_out, DOT_PRECISION=settings.dot_precision,
@@ -318,4 +321,5 @@ def _launch(scratch: Scratch, lists: torch.Tensor, counts: torch.Tensor,
     if partial is not None:
         first_row = first_block * grid.block_tokens
         valid_rows = min(rows, num_tokens - first_row)
-        sum_partials(partial[:, :valid_rows], out[first_row:first_row + valid_rows])
+        sum_partials(partial[:, :valid_rows], out[first_row:first_row + valid_rows],
+                     settings.dot_precision)

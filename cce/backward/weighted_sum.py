@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import split_count
+from cce.config import dot_precision, split_count
 from cce.backward.partial_sums import sum_partials
 
 _BLOCK_ROWS = 64
@@ -64,5 +64,5 @@ def weighted_sum(matrix: torch.Tensor, weights: Optional[torch.Tensor] = None) -
             matrix.stride(0), matrix.stride(1), HAS_WEIGHTS=weights is not None,
             BLOCK_ROWS=_BLOCK_ROWS, BLOCK_DIM=block_dim)
     out = torch.empty((1, dim), dtype=torch.float32, device=matrix.device)
-    sum_partials(partial, out)
+    sum_partials(partial, out, dot_precision(out.dtype))
     return out[0]
