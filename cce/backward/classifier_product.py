@@ -29,15 +29,13 @@ everything else. It pays at every benchmark shape and batch size measured, from 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import triton
 
+from cce.backward.product_arguments import ProductIO, ProductSettings, ProductTiles
 from cce.config import KernelConfig, interpreting, tma_copies_rows
-
-if TYPE_CHECKING:
-    from cce.backward.sparse_tile_matmul import ProductIO, ProductSettings, ProductTiles
 
 try:
     from triton.experimental import gluon
@@ -220,7 +218,7 @@ if gluon is not None:
                  mask=row_mask[:, None] & (out_dims < io.dim)[None, :])
 
 
-def launch(tiles: "ProductTiles", io: "ProductIO", settings: "ProductSettings",
+def launch(tiles: ProductTiles, io: ProductIO, settings: ProductSettings,
            segments_per_page: int, chunk_slots: bool) -> None:
     """The dC product of :func:`cce.backward.sparse_tile_matmul.multiply`'s launch groups
     (``io.operand`` is e; no bias gradient or rank-one term), where the plan chose this kernel

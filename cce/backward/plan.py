@@ -38,7 +38,7 @@ from cce.backward.gradient_tiles import RecomputeInputs
 from cce.host_copy import start_host_copy
 from cce.backward.scratch import Scratch, rows_can_hold_segments
 from cce.backward.epilogue_terms import PendingCorrection
-from cce.backward.sparse_tile_matmul import ProductSettings
+from cce.backward.product_arguments import ProductSettings
 from cce.backward.tile_lists import ListedTiles, TileLists
 
 

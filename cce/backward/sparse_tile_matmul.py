@@ -18,7 +18,10 @@ write float32 partial sums, added up afterwards (dE only; :mod:`cce.backward.par
   The bias gradient (column sums of G) comes along.
 
 The products' epilogues add the rank-one term of label smoothing and the filter correction
-(:mod:`cce.backward.epilogue_terms`).
+(:mod:`cce.backward.epilogue_terms`). The backward's schedule describes each launch as a
+:class:`Product`, which :func:`multiply` launches here or, for dC on Hopper GPUs, through
+:mod:`cce.backward.classifier_product`, with the same arguments
+(:mod:`cce.backward.product_arguments`).
 """
 
 from __future__ import annotations
@@ -29,46 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import KernelConfig
 from cce.backward import classifier_product
+from cce.backward.product_arguments import ProductIO, ProductSettings, ProductTiles
 from cce.backward.epilogue_terms import FilterCorrection, RankOneUpdate
 from cce.backward.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
 from cce.backward.partial_sums import sum_partials
-from cce.backward.scratch import Scratch, ScratchView, segment_offsets
-
-
-class ProductTiles(NamedTuple):
-    """The tiles a product launch multiplies, as the kernel takes them: the scratch holding
-    them; per output block (``num_out_blocks`` of them from ``first_block``), the list of the
-    other blocks whose tiles it sums (``counts`` long, rows ``list_stride`` apart); where the
-    tiles are (``first_slots`` and ``slot_map``, or None: see the launchers)."""
-
-    scratch: ScratchView
-    lists: torch.Tensor
-    counts: torch.Tensor
-    list_stride: int
-    first_slots: Optional[torch.Tensor]
-    slot_map: Optional[torch.Tensor]
-    chunk_vocab_blocks: int
-    first_block: int
-    num_out_blocks: int
-
-
-class ProductIO(NamedTuple):
-    """The operand a product launch multiplies the tiles with (c or e, read through
-    ``vocab_order`` where sorted), what it writes (the output, float32 partial sums when
-    split, the bias gradient) and the sizes."""
-
-    operand: torch.Tensor
-    operand_strides: "tuple[int, int]"
-    vocab_order: Optional[torch.Tensor]
-    out: torch.Tensor
-    partial: Optional[torch.Tensor]
-    grad_bias: Optional[torch.Tensor]
-    num_tokens: int
-    vocab_size: int
-    dim: int
+from cce.backward.scratch import Scratch, segment_offsets
 
 
 @triton.jit
@@ -206,23 +176,6 @@ def sparse_tile_matmul_kernel(
             tl.store(io.grad_bias + out_rows,
                      round_to(grad_bias, io.grad_bias.dtype.element_ty, DOT_PRECISION),
                      mask=row_mask)
-
-
-class ProductSettings(NamedTuple):
-    """How one product launch runs, as the backward's plan decided it (:mod:`cce.backward.plan`):
-    the live grid's tiles, the configuration its warps, stages and step depth come from, the
-    output columns per program, the programs per output block (``splits``, dE only), whether
-    every token, vocabulary and output block is whole (no masks, shallower steps), and whether
-    the dC product is :mod:`cce.backward.classifier_product`'s; how tl.dot multiplies
-    (:func:`cce.config.dot_precision`)."""
-
-    grid: KernelConfig
-    config: KernelConfig
-    block_out: int
-    dot_precision: str
-    splits: int = 1
-    whole_blocks: bool = False
-    by_tma: bool = False
 
 
 class Product(NamedTuple):
