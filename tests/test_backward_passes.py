@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import cce.backward.plan
+import cce.backward.run
 import cce.backward.classifier_product
 from cce.backward.plan import BackwardPlan, ClassifierPlan, forced
 from cce.cce_function import loss_backward, loss_forward
@@ -278,6 +279,67 @@ def test_one_pass_chunks_write_only_rows_whose_tiles_were_read(spare_tiles: int,
     too_many = np.full(60, vocab * segments_per_row // block_tokens // 60 + 1)
     assert cce.backward.plan._one_pass_chunks(too_many, vocab, dim, block_tokens, block_vocab,
                                          spare_tiles) is None
+
+
+def _recorded_launches(monkeypatch: pytest.MonkeyPatch) -> "list[tuple[str, range]]":
+    """Every launch the backward's loop makes from now on, in order: a recompute by grid rows
+    ("rows", its token blocks) or by lists ("lists", its vocabulary blocks), a product ("dE" or
+    "dC", its output blocks)."""
+    launches: "list[tuple[str, range]]" = []
+    store, multiply = cce.backward.run.store_gradient_tiles, cce.backward.run.multiply
+
+    def recorded_store(recompute, tiles, configs) -> None:
+        launches.append(("rows", tiles.token_blocks) if tiles.tile_lists is None
+                        else ("lists", tiles.vocab_blocks))
+        store(recompute, tiles, configs)
+
+    def recorded_multiply(product) -> None:
+        launches.append(("dC" if product.transposed else "dE", product.out_blocks))
+        multiply(product)
+
+    monkeypatch.setattr(cce.backward.run, "store_gradient_tiles", recorded_store)
+    monkeypatch.setattr(cce.backward.run, "multiply", recorded_multiply)
+    return launches
+
+
+@pytest.mark.parametrize("passes", ["two", "one"])
+def test_each_product_follows_the_recompute_of_its_tiles(passes: str, device: str,
+                                                         gen: torch.Generator,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """The backward's schedule, as its loop launches it. Two passes: each chunk of grid rows
+    is recomputed right before its dE product, then each chunk of dC's vocabulary blocks right
+    before its dC product. One pass: every live tile recomputed once, by lists, for one dE
+    product; of dC's chunks only those in the spare buffer are recomputed again. Every grid row
+    gets one dE product and every vocabulary block one dC product, in order."""
+    dtype = torch.bfloat16
+    grid = kernel_configs(dtype).live_grid
+    if passes == "two":
+        vocab, dim = _shape(dtype)
+        tokens = N
+    else:
+        vocab, dim = _shape(dtype, 7)[0], 4 * grid.block_vocab
+        tokens = 2 * grid.block_tokens - 7
+    inputs = make_inputs(gen, device, dtype, shape=(tokens,), vocab=vocab, dim=dim)
+    launches = _recorded_launches(monkeypatch)
+    with forced(one_pass=passes == "one", slots=False) as plans:
+        check("cce", inputs, gen, "mean")
+    ((plan, classifier),) = _backwards(plans)
+    token_blocks, vocab_blocks = -(-tokens // grid.block_tokens), -(-vocab // grid.block_vocab)
+    if passes == "two":
+        embeddings = [launch for chunk in plan.pass_one.chunks
+                      for launch in (("rows", chunk.token_blocks), ("dE", chunk.token_blocks))]
+    else:
+        embeddings = [("lists", range(vocab_blocks)), ("dE", range(token_blocks))]
+    classifier_launches = [launch for chunk in classifier.chunks
+                           for launch in ([("lists", chunk.vocab_blocks)] if chunk.recomputes
+                                          else []) + [("dC", chunk.vocab_blocks)]]
+    assert launches == embeddings + classifier_launches
+    for product, blocks in (("dE", token_blocks), ("dC", vocab_blocks)):
+        covered = [block for kind, chunk in launches if kind == product for block in chunk]
+        assert covered == list(range(blocks))
+    recomputed = [chunk.recomputes for chunk in classifier.chunks]
+    assert any(recomputed) and (passes == "two") == all(recomputed)
 
 
 @pytest.mark.parametrize("frozen", ["e", "c"])
