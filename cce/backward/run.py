@@ -1,10 +1,10 @@
 """Backward (paper Alg. 3): dE and dC from logit-gradient tiles recomputed once per pass.
 
 Planned, then run: :mod:`cce.backward.plan` decides the path, the chunks, the scratch and the
-launch settings on the host, once per call; :func:`launches` turns the plan into one step per
-chunk, a recompute (:class:`cce.backward.gradient_tiles.TileStore`) then a product
-(:class:`cce.backward.sparse_tile_matmul.Product`), and :func:`run_backward` launches them in
-one loop. What follows is the plan's schedule.
+launch settings on the host, once per call; :func:`launches` turns the plan into its launches, per
+chunk a recompute (:class:`cce.backward.gradient_tiles.TileStore`) then a product
+(:class:`cce.backward.sparse_tile_matmul.Product`), and :func:`run_backward` runs them in one
+loop. What follows is the plan's schedule.
 
 Two passes over the tile grid, each in chunks. A chunk's surviving tiles of ``G`` (the gradient
 of the logits) are recomputed once and stored (:mod:`cce.backward.gradient_tiles`), then multiplied
@@ -75,7 +75,7 @@ def linear_cross_entropy_backward(recompute: RecomputeInputs,
 
 
 def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
-    """Launch the steps of ``plan`` (:func:`cce.backward.plan.plan_backward`) in order
+    """Run the launches of ``plan`` (:func:`cce.backward.plan.plan_backward`) in order
     (:func:`launches`): each chunk's recompute, then its product. Decides nothing."""
     for launch in launches(plan, recompute):
         if isinstance(launch, TileStore):
