@@ -37,6 +37,8 @@ import torch
 import cce
 import cce.backward.run
 import cce.cce_function
+from cce.backward.gradient_tiles import TileStore
+from cce.backward.sparse_tile_matmul import Product
 from cce.config import kernel_configs
 from experiments.harness import ON_GPU, WrittenResults, add_sections, progress, write_results
 from experiments.synthetic import lm_like_inputs
@@ -51,43 +53,48 @@ SHAPES = (
 )
 QUICK_SHAPES = (("quick", "tiny (CPU smoke test)", 96, 1000, 72),)
 
+# The backward's steps, named from each launch of its loop.
+RECOMPUTE_BY_ROWS = "recompute by grid rows (pass 1)"
+RECOMPUTE_BY_LISTS = "recompute by lists (pass 2 or one pass)"
+PRODUCT_DE = "product dE = G C"
+PRODUCT_DC = "product dC = G^T E"
+
 # The steps traced, in the table's order: (step name, kind of work).
 STEPS = (
     ("vocabulary order", "bytes"),
     ("target logits (indexed dot)", "bytes"),
     ("log-sum-exp forward", "logits"),
     ("table of tiles to recompute", "bytes"),
-    ("recompute by grid rows (pass 1)", "recompute"),
-    ("product dE = G C", "dE"),
-    ("recompute by lists (pass 2 or one pass)", "listed"),
-    ("product dC = G^T E", "dC"),
+    (RECOMPUTE_BY_ROWS, "recompute"),
+    (PRODUCT_DE, "dE"),
+    (RECOMPUTE_BY_LISTS, "listed"),
+    (PRODUCT_DC, "dC"),
 )
 
 
-def _recompute_step(store: Any) -> str:
-    return STEPS[4][0] if store.tile_lists is None else STEPS[6][0]
+def _recompute_step(store: TileStore) -> str:
+    return RECOMPUTE_BY_ROWS if store.tile_lists is None else RECOMPUTE_BY_LISTS
 
 
-def _product_step(product: Any) -> str:
-    return STEPS[7][0] if product.transposed else STEPS[5][0]
+def _product_step(product: Product) -> str:
+    return PRODUCT_DC if product.transposed else PRODUCT_DE
 
 
-# The launchers traced: (module, attribute, the step of a call from its first argument after
-# the launcher's inputs, or the step of every call).
+# The launchers traced: (module, attribute, the step every call is), or, for the backward's
+# two launchers, (module, attribute, (the argument holding the launch, its step's name)).
 LAUNCHERS = (
-    (cce.cce_function, "sort_vocabulary", STEPS[0][0]),
-    (cce.cce_function, "indexed_dot", STEPS[1][0]),
-    (cce.cce_function, "lse_forward", STEPS[2][0]),
-    (cce.cce_function, "recompute_table", STEPS[3][0]),
+    (cce.cce_function, "sort_vocabulary", "vocabulary order"),
+    (cce.cce_function, "indexed_dot", "target logits (indexed dot)"),
+    (cce.cce_function, "lse_forward", "log-sum-exp forward"),
+    (cce.cce_function, "recompute_table", "table of tiles to recompute"),
     (cce.backward.run, "store_gradient_tiles", ("store", _recompute_step)),
     (cce.backward.run, "multiply", ("product", _product_step)),
 )
 
 
-def _listed_counts(launch: Any) -> torch.Tensor:
-    """The tiles per block that a recompute (:class:`cce.backward.gradient_tiles.TileStore`) or
-    a product (:class:`cce.backward.sparse_tile_matmul.Product`) lists."""
-    return launch.tile_lists.counts if hasattr(launch, "tile_lists") else launch.counts
+def _listed_counts(launch: Union[TileStore, Product]) -> torch.Tensor:
+    """The tiles per block that a recompute by lists or a product lists."""
+    return launch.tile_lists.counts if isinstance(launch, TileStore) else launch.counts
 
 
 # About 2.5 ms of GPU spinning at an H100's clock: longer than any launcher takes to queue its
@@ -248,8 +255,8 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
         return sum(int(_listed_counts(call.arguments[argument]).sum())
                    for call in timer.arguments[step])
 
-    tiles = {"logits": all_tiles, "recompute": live, "dE": listed(STEPS[5][0], "product"),
-             "listed": listed(STEPS[6][0], "store"), "dC": listed(STEPS[7][0], "product")}
+    tiles = {"logits": all_tiles, "recompute": live, "dE": listed(PRODUCT_DE, "product"),
+             "listed": listed(RECOMPUTE_BY_LISTS, "store"), "dC": listed(PRODUCT_DC, "product")}
     element = e.element_size()
     moved_bytes = {
         "vocabulary order": (v * d + n * d) * element + v * 8,
