@@ -349,6 +349,7 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
     shape_info: dict[str, dict[str, Any]] = {}
     timings = set()
     environments = []
+    real_data_transformers = None  # the version that read the real data, if a part did
     dates: list[str] = []
     first_meta: dict[str, Any] = {}
     for part in parts:
@@ -373,6 +374,8 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
         if repeated:
             raise ValueError(f"--merge: {path} measures {', '.join(repeated)} again")
         shape_info.update(results["shapes"])
+        if any(info.get("data", "").startswith("real") for info in results["shapes"].values()):
+            real_data_transformers = env.get("transformers")
         rows += results["rows"]
         timings.add(results["meta"]["times"])
         environments.append(env)
@@ -382,11 +385,10 @@ def merge(parts: Sequence[Path], out_dir: Path) -> WrittenResults:
     # In the benchmark's order of shapes, whatever the order of the parts.
     rows.sort(key=lambda row: list(SHAPES).index(row["shape"]))
     shape_info = {shape: shape_info[shape] for shape in SHAPES if shape in shape_info}
-    # Where the parts were measured, as of the last one; the real data's tokenizer version
-    # from whichever part loaded it.
+    # Where the parts were measured, as of the last one; the transformers version is that of the
+    # part that read the real data (its tokenizer made the inputs), else the first part's.
     measured_in = {**environments[0], "date": max(dates),
-                   "transformers": next((env.get("transformers") for env in environments
-                                         if env.get("transformers")), None)}
+                   "transformers": real_data_transformers or environments[0].get("transformers")}
     return _report(rows, shape_info, timings.pop(), out_dir, measured=dates,
                    measured_in=measured_in, l2_cache_mb=first_meta.get("l2_cache_mb"))
 
@@ -997,7 +999,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     measure = (functools.partial(merge, args.merge, out_dir) if args.merge else
                functools.partial(run, quick, out_dir, shapes=args.shapes, methods=args.methods,
                                  data_path=args.data, repeats=args.repeats))
-    outcome, errors = run_experiment(NAME, out_dir, measure)
+    outcome, errors = run_experiment(NAME, out_dir, measure, measures=not args.merge)
     return finish([outcome], errors, out_dir)
 
 

@@ -147,15 +147,16 @@ def files_written(out_dir: Path, before: dict[Path, int]) -> list[Path]:
                   if before.get(path) != time_ns)
 
 
-def run_experiment(name: str, out_dir: Path, run: Callable[[], WrittenResults]
-                   ) -> tuple[Outcome, list[str]]:
-    """Call ``run`` (which writes into ``out_dir``): how it went and what failed.
+def run_experiment(name: str, out_dir: Path, run: Callable[[], WrittenResults],
+                   measures: bool = True) -> tuple[Outcome, list[str]]:
+    """Call ``run`` (which writes into ``out_dir``): how it went and what failed. ``measures``:
+    whether ``run`` times anything (a merge of earlier runs does not).
 
     An exception is logged with its traceback and becomes a failed outcome, so that one
     experiment's failure does not hide the results of those after it.
     """
     # Before any timing reaches the console; an experiment that times nothing has no caveat.
-    if name not in COMPUTED_ONLY and kernels_interpreted():
+    if measures and name not in COMPUTED_ONLY and kernels_interpreted():
         log(f"{name}: {INTERPRETER_CAVEAT}")
     before, start_s = file_times(out_dir), time.perf_counter()
     try:

@@ -147,9 +147,10 @@ def test_the_committed_figure_reads_on_a_laptop_screen() -> None:
     assert len(time_panels) == 2
     assert all(len(axis.get_xticklabels()) == 5 for axis in time_panels)
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
-    # Every method but the options, whose cost is a section of the report.
-    assert set(legend) == ({row["method"] for row in results["rows"]}
-                           - set(bench.OPTION_COST_LIMITS)) | {"one GEMM e @ c.T"}
+    # Every method timed but the options, whose cost is a section of the report; a method
+    # skipped everywhere (not installed) has no bar.
+    timed = {row["method"] for row in results["rows"] if row.get("fwd_bwd_ms")}
+    assert set(legend) == (timed - set(bench.OPTION_COST_LIMITS)) | {"one GEMM e @ c.T"}
     plt.close(figure)
 
 
@@ -597,6 +598,7 @@ def test_merge_writes_one_report_from_runs_of_a_few_shapes(
         capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")  # for bench.png
     from experiments import bench
+    from experiments.harness import INTERPRETER_CAVEAT
     from tests.helpers import saved_figure_titles
 
     monkeypatch.setattr(bench, "measure_loss",
@@ -613,7 +615,9 @@ def test_merge_writes_one_report_from_runs_of_a_few_shapes(
                            "--out", str(tmp_path / "all")]) == 0
     finally:
         bench.forget_measurements()
-    assert "quick" not in capsys.readouterr().err  # it measures nothing: no quick-run notice
+    console = capsys.readouterr().err
+    # It measures nothing: no quick-run notice, no caveat about the interpreter's timings.
+    assert "quick" not in console and INTERPRETER_CAVEAT not in console
 
     merged = json.loads((tmp_path / "all" / "bench.json").read_text())
     assert list(merged["shapes"]) == ["quick", "quick_frozen"]
@@ -655,6 +659,14 @@ def test_merge_writes_one_report_from_runs_of_a_few_shapes(
     report = (tmp_path / "elsewhere" / "bench.md").read_text()
     assert "Device: a GPU" in report and "CPU RUN" not in report
     assert len(titles) == 1 and "(a GPU)" in titles[0] and "not GPU timings" not in titles[0]
+    # The report names the transformers that read the real data, whichever part that was.
+    real = json.loads((parts[1] / "bench.json").read_text())
+    real["environment"]["transformers"] = "9.9.9"
+    real["shapes"]["quick_frozen"]["data"] = "real: a model's hidden states"
+    (parts[1] / "bench.json").write_text(json.dumps(real))
+    bench.merge(parts, tmp_path / "real")
+    assert json.loads((tmp_path / "real" / "bench.json").read_text())[
+        "environment"]["transformers"] == "9.9.9"
     other = json.loads((parts[1] / "bench.json").read_text())
     other["environment"]["device"] = "another GPU"
     (parts[1] / "bench.json").write_text(json.dumps(other))
