@@ -957,7 +957,9 @@ def _shape_label(info: dict[str, Any]) -> str:
     """A shape's x label: its description, sizes, and inputs (a real-data shape falls back to
     synthetic inputs without the model)."""
     data = info["data"].split(":")[0].split(" (")[0].split(",")[0]
-    return (f"{textwrap.fill(info['description'], 18)}\n"
+    # The N sweep's descriptions name N, which the sizes' line gives.
+    description = info["description"].removesuffix(f", N={info['n_tokens']}")
+    return (f"{textwrap.fill(description, 18)}\n"
             f"N={info['n_tokens']}, D={info['dim']}\nV={info['vocab_size']}\n{data}")
 
 

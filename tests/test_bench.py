@@ -146,6 +146,9 @@ def test_the_committed_figure_reads_on_a_laptop_screen() -> None:
     time_panels = [axis for axis in figure.axes if axis.get_ylabel()]
     assert len(time_panels) == 2
     assert all(len(axis.get_xticklabels()) == 5 for axis in time_panels)
+    # Each shape's sizes once (the N sweep's descriptions name N too).
+    assert all(label.get_text().count("N=") == 1
+               for axis in time_panels for label in axis.get_xticklabels())
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
     # Every method timed but the options, whose cost is a section of the report; a method
     # skipped everywhere (not installed) has no bar.
