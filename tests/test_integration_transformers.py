@@ -313,6 +313,60 @@ class LlamaWithItsOwnLoss(transformers.LlamaForCausalLM):
         return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
 
 
+class LogitSoftcap(torch.nn.Module):
+    """A softcap as a module of its own (as Inkling 2 has it)."""
+
+    def __init__(self, cap: float) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(logits / self.cap) * self.cap
+
+
+class LogitCentering(torch.nn.Module):
+    """A module that does more with the logits than a scale and a softcap."""
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits - logits.mean(-1, keepdim=True)
+
+
+class LlamaWithLogitModule(transformers.LlamaForCausalLM):
+    """A forward that passes its logits through a module of its own."""
+
+    def __init__(self, config, logit_module: torch.nn.Module) -> None:
+        super().__init__(config)
+        self.logit_module = logit_module
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden_states = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        logits = self.lm_head(hidden_states).float()
+        logits = self.logit_module(logits)
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+def test_a_softcap_module_of_the_model_is_applied(gen, device):
+    torch.manual_seed(0)
+    reference = LlamaWithLogitModule(transformers.LlamaConfig(**TINY), LogitSoftcap(0.05))
+    reference = reference.to(device)
+    model = patch(copy.deepcopy(reference))
+    inputs = make_batch(gen, device)
+    head_calls = count_lm_head_calls(model)
+
+    output, expected = model(**inputs), reference(**inputs)
+    output.loss.backward()
+    expected.loss.backward()
+
+    assert output.logits is None and not head_calls
+    assert relative_error(output.loss, expected.loss) <= TOLERANCE
+    assert_same_training_step(model, reference)
+    uncapped = LlamaWithLogitModule(transformers.LlamaConfig(**TINY), torch.nn.Identity())
+    uncapped.load_state_dict(reference.state_dict())
+    # The cap moves the loss: the patched loss applied it.
+    assert relative_error(uncapped.to(device)(**inputs).loss, expected.loss) > 10 * TOLERANCE
+
+
 class BiasedLinear(torch.nn.Linear):
     def forward(self, input):
         return super().forward(input) + 1
@@ -350,8 +404,11 @@ def wrapped_llama() -> torch.nn.Module:
     (lambda: LlamaWithItsOwnLoss(transformers.LlamaConfig(**TINY)),
      r"does more with the logits than cce reproduces: `loss = logits.logsumexp\(-1\).mean\(\)`"),
     (wrapped_llama, "Sequential is not supported: cce patches transformers models"),
+    (lambda: LlamaWithLogitModule(transformers.LlamaConfig(**TINY), LogitCentering()),
+     r"LlamaWithLogitModule.forward does more with the logits than cce reproduces: "
+     r"`logits = self.logit_module\(logits\)`"),
 ], ids=["a classifier", "no lm_head", "not a linear head", "more than scale and softcap",
-        "its own loss", "not a transformers model"])
+        "its own loss", "not a transformers model", "a module that does more"])
 def test_unsupported_models_raise_a_value_error_naming_the_class_and_why(
         make_model: Callable[[], torch.nn.Module], message):
     model = make_model()

@@ -10,10 +10,11 @@ logits.
 One generic mechanism serves every model of transformers whose forward computes its logits with
 its output embeddings (``model.get_output_embeddings()``, an ``nn.Linear``), at most scales and
 softcaps them, and takes their cross-entropy: the ``*ForCausalLM`` and ``*LMHeadModel`` models
-(Llama; Gemma 2 with its softcap; Cohere and Granite with their logit scale; GPT-2's
-``transformer`` and GPT-NeoX's ``embed_out`` as well as ``model.model`` and ``lm_head``; BERT's
-prediction head) and the text head of ``*ForConditionalGeneration`` vision-language models
-(Gemma 3, Qwen2-VL, LLaVA, Mllama, ...), mixtures of experts with their router loss.
+(Llama; Gemma 2 with its softcap, Inkling 2 with a softcap module; Cohere and Granite with
+their logit scale; GPT-2's ``transformer`` and GPT-NeoX's ``embed_out`` as well as
+``model.model`` and ``lm_head``; BERT's prediction head) and the text head of
+``*ForConditionalGeneration`` vision-language models (Gemma 3, Qwen2-VL, LLaVA, Mllama, ...),
+mixtures of experts with their router loss.
 docs/models.md lists every model type tested: exact, refused (why), or not tested (why).
 
 With labels, the patched forward runs the model's own forward, in which the output embeddings
@@ -31,11 +32,12 @@ other fields of its output. Its ``logits`` are None. Without labels (inference, 
 with ``logits_to_keep``, the model's own forward runs untouched.
 
 :func:`patch` first reads the source of the model's forward (and of the modules between it and
-the output embeddings) and refuses, with a ``ValueError`` that says why, a model whose loss the
-patched forward would not reproduce: its logits put to any other use (a z-loss, a softcap by a
-module of its own, ...), a loss that is no cross-entropy of them or a loss function other than
-ForCausalLMLoss, output embeddings that are not an ``nn.Linear``. With PEFT, patch the wrapped
-model: ``patch(peft_model.get_base_model())``. While a patched forward runs, the stand-in takes
+the output embeddings, and of a module the logits pass through) and refuses, with a
+``ValueError`` that says why, a model whose loss the patched forward would not reproduce: its
+logits put to any other use (a z-loss, a module that does more than scale and cap them, ...), a
+loss that is no cross-entropy of them or a loss function other than ForCausalLMLoss, output
+embeddings that are not an ``nn.Linear``. With PEFT, patch the wrapped model:
+``patch(peft_model.get_base_model())``. While a patched forward runs, the stand-in takes
 the output embeddings' place in their parent module: a patched model runs one forward at a
 time (as a model in training does).
 
@@ -297,15 +299,50 @@ class _ForwardReading:
 
     def _ends(self, call: ast.Call, returns: str) -> set[str]:
         """Follow the head's output through the names it is assigned to, up to its ends."""
+        return self._follow([call] if returns == "logits" else self._logits_of_output(call),
+                            call)
+
+    def passes_input_through(self) -> bool:
+        """Whether the forward takes one input and returns it through what the stand-in
+        reproduces, using it nowhere else (a softcap module: ``tanh(x / cap) * cap``)."""
+        arguments = self.function.args
+        if (len(arguments.args) != 2 or arguments.vararg or arguments.kwarg
+                or arguments.kwonlyargs or arguments.posonlyargs):
+            return False
+        parameter = arguments.args[1]
+        loads = [node for node in ast.walk(self.function) if isinstance(node, ast.Name)
+                 and node.id == parameter.arg and isinstance(node.ctx, ast.Load)]
+        try:
+            ends = self._follow(loads, parameter, names=frozenset({parameter.arg}))
+        except _Unsupported:
+            return False
+        return "return" in ends and ends <= {"return", "metadata"}
+
+    def _passes_through(self, func: ast.expr) -> bool:
+        """Whether ``func`` names a submodule (not the head) whose forward passes the logits
+        through (:meth:`passes_input_through`)."""
+        module = self._submodule(func)
+        if module is None or any(part is self.head for part in module.modules()):
+            return False
+        try:
+            reading = _ForwardReading(module, self.head, outermost=False)
+        except _Unsupported:
+            return False
+        return reading.passes_input_through()
+
+    def _follow(self, pending: list[ast.expr], after: ast.AST,
+                names: frozenset[str] = frozenset()) -> set[str]:
+        """Follow the logits from the expressions ``pending`` through the names they are
+        assigned to (their uses after ``after``), up to their ends; ``names`` hold them
+        already (a parameter)."""
         ends: set[str] = set()
-        pending: list[ast.expr] = [call] if returns == "logits" else self._logits_of_output(call)
-        names: set[str] = set()
+        names = set(names)
         while pending:
             name, end = self._climb(pending.pop())
             ends.add(end)
             if name is not None and name not in names:
                 names.add(name)
-                pending.extend(self._loads_after(name, call))
+                pending.extend(self._loads_after(name, after))
         for node in ast.walk(self.function):
             # logits *= scale
             if (isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name)
@@ -340,8 +377,8 @@ class _ForwardReading:
             return None
         return target.id if isinstance(target, ast.Name) else None
 
-    def _loads_after(self, name: str, call: ast.Call) -> Iterator[ast.Name]:
-        after = (call.end_lineno, call.end_col_offset)
+    def _loads_after(self, name: str, node: ast.AST) -> Iterator[ast.Name]:
+        after = (node.end_lineno, node.end_col_offset)
         for node in ast.walk(self.function):
             if (isinstance(node, ast.Name) and node.id == name
                     and isinstance(node.ctx, ast.Load)
@@ -361,6 +398,9 @@ class _ForwardReading:
             elif (isinstance(parent, ast.Call) and parent.args == [node] and not parent.keywords
                   and ast.unparse(parent.func).split(".")[-1] == "tanh"):
                 node = parent  # torch.tanh(logits)
+            elif (isinstance(parent, ast.Call) and parent.args == [node] and not parent.keywords
+                  and self._passes_through(parent.func)):
+                node = parent  # self.logit_softcap(logits), a module that only caps them
             elif isinstance(parent, ast.Subscript) and parent.value is node:
                 node = parent  # logits[:, start:-1, :], checked to keep the last dimension
             elif (isinstance(parent, ast.Attribute) and parent.attr in _METHODS
