@@ -367,6 +367,33 @@ def test_a_softcap_module_of_the_model_is_applied(gen, device):
     assert relative_error(uncapped.to(device)(**inputs).loss, expected.loss) > 10 * TOLERANCE
 
 
+def test_a_masked_lm_loss_function_is_reproduced(gen, device):
+    """ForMaskedLMLoss (T5Gemma 2's): the labels are not shifted."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    reference = tiny_model("llama", device)
+    reference._loss_function = LOSS_MAPPING["ForMaskedLM"]
+    model = patch(copy.deepcopy(reference))
+    inputs = make_batch(gen, device)
+
+    output, expected = model(**inputs), reference(**inputs)
+    output.loss.backward()
+    expected.loss.backward()
+
+    assert relative_error(output.loss, expected.loss) <= TOLERANCE
+    assert_same_training_step(model, reference)
+    shifted = tiny_model("llama", device)(**inputs).loss  # the default, ForCausalLMLoss
+    assert relative_error(shifted, expected.loss) > 10 * TOLERANCE
+
+
+def tiny_llama_with_token_classification_loss() -> torch.nn.Module:
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    model._loss_function = LOSS_MAPPING["ForTokenClassification"]
+    return model
+
+
 class BiasedLinear(torch.nn.Linear):
     def forward(self, input):
         return super().forward(input) + 1
@@ -407,8 +434,12 @@ def wrapped_llama() -> torch.nn.Module:
     (lambda: LlamaWithLogitModule(transformers.LlamaConfig(**TINY), LogitCentering()),
      r"LlamaWithLogitModule.forward does more with the logits than cce reproduces: "
      r"`logits = self.logit_module\(logits\)`"),
+    (tiny_llama_with_token_classification_loss,
+     "its loss function is ForTokenClassification, not transformers' ForCausalLMLoss or "
+     "ForMaskedLMLoss"),
 ], ids=["a classifier", "no lm_head", "not a linear head", "more than scale and softcap",
-        "its own loss", "not a transformers model", "a module that does more"])
+        "its own loss", "not a transformers model", "a module that does more",
+        "another loss function"])
 def test_unsupported_models_raise_a_value_error_naming_the_class_and_why(
         make_model: Callable[[], torch.nn.Module], message):
     model = make_model()

@@ -21,9 +21,10 @@ With labels, the patched forward runs the model's own forward, in which the outp
 return a stand-in for the logits rather than the logits: it keeps the final hidden states and
 records what the forward multiplies or divides the logits by and its softcap (``tanh``), and
 slices and flattens them as the forward does. When the forward takes their cross-entropy
-(``F.cross_entropy``, which ``self.loss_function``'s ForCausalLMLoss and ``nn.CrossEntropyLoss``
-call), the stand-in computes it from the hidden states and the head's weight (and bias) with
-:func:`cce.linear_cross_entropy`, with the call's ``ignore_index`` and ``reduction``: the
+(``F.cross_entropy``, which ``self.loss_function``'s ForCausalLMLoss or ForMaskedLMLoss and
+``nn.CrossEntropyLoss`` call), the stand-in computes it from the hidden states and the head's
+weight (and bias) with :func:`cce.linear_cross_entropy`, with the call's ``ignore_index`` and
+``reduction``: the
 next-token shift (or the caller's ``shift_labels``) and ``num_items_in_batch`` are then the
 model's own (so gradient accumulation equals one big batch where the model's loss does).
 Everything else is the model's own forward too: the arguments it passes to its base model
@@ -35,9 +36,9 @@ with ``logits_to_keep``, the model's own forward runs untouched.
 the output embeddings, and of a module the logits pass through) and refuses, with a
 ``ValueError`` that says why, a model whose loss the patched forward would not reproduce: its
 logits put to any other use (a z-loss, a module that does more than scale and cap them, ...), a
-loss that is no cross-entropy of them or a loss function other than ForCausalLMLoss, output
-embeddings that are not an ``nn.Linear``. With PEFT, patch the wrapped model:
-``patch(peft_model.get_base_model())``. While a patched forward runs, the stand-in takes
+loss that is no cross-entropy of them or a loss function other than ForCausalLMLoss and
+ForMaskedLMLoss, output embeddings that are not an ``nn.Linear``. With PEFT, patch the wrapped
+model: ``patch(peft_model.get_base_model())``. While a patched forward runs, the stand-in takes
 the output embeddings' place in their parent module: a patched model runs one forward at a
 time (as a model in training does).
 
@@ -61,7 +62,7 @@ from typing import Any, Callable, Iterator, Literal, Optional, Union
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
 
 import cce
 
@@ -100,9 +101,9 @@ def patch(
     Args:
         model: a transformers model whose forward computes its logits with its output
             embeddings (an ``nn.Linear``), at most scales and softcaps them, and takes their
-            cross-entropy (``self.loss_function``'s ForCausalLMLoss, or ``F.cross_entropy``):
-            ``*ForCausalLM``, ``*LMHeadModel``, ``*ForConditionalGeneration`` (docs/models.md
-            lists those tested).
+            cross-entropy (``self.loss_function``'s ForCausalLMLoss or ForMaskedLMLoss, or
+            ``F.cross_entropy``): ``*ForCausalLM``, ``*LMHeadModel``,
+            ``*ForConditionalGeneration`` (docs/models.md lists those tested).
         impl, filter_eps, vocab_sorting, filter_correction, weight, label_smoothing, memory: as
             in :func:`cce.linear_cross_entropy` (``weight`` on the device of the output
             embeddings; ``memory="fast"`` spends memory for speed, e.g. on Phi 3's 32k vocabulary).
@@ -204,8 +205,11 @@ def _loss_function(model: nn.Module) -> Callable[..., Any]:
 # What a patched forward reproduces of the logits: multiplied or divided by a number (a logit
 # scale; a softcap's division and multiplication), tanh (a softcap), casts, slices of leading
 # dimensions and views that flatten them, their shape, and the cross-entropy of the flattened
-# logits (as transformers' ForCausalLMLoss computes it, or F.cross_entropy, or nn.CrossEntropyLoss).
+# logits (as transformers' loss functions compute it, or F.cross_entropy, or nn.CrossEntropyLoss).
 _SCALE_OPERATORS = (ast.Mult, ast.Div)
+# transformers' loss functions that flatten the logits and take their cross-entropy
+# (F.cross_entropy), the labels shifted to the next token or not.
+_CROSS_ENTROPY_LOSSES = (ForCausalLMLoss, ForMaskedLMLoss)
 _METHODS = ("float", "to", "contiguous", "tanh", "view", "reshape")
 _METADATA = ("shape", "size", "dim", "ndim", "dtype", "device")
 
@@ -252,10 +256,10 @@ class _ForwardReading:
         ends = self._ends(*calls[0])
         if self.outermost and not ends & {"loss_function", "cross_entropy"}:
             raise _Unsupported(f"{self.owner}.forward computes no cross-entropy of its logits")
-        if "loss_function" in ends and _loss_function(self.module) is not ForCausalLMLoss:
+        if "loss_function" in ends and _loss_function(self.module) not in _CROSS_ENTROPY_LOSSES:
             name = getattr(_loss_function(self.module), "__name__", "another")
             raise _Unsupported(f"its loss function is {name}, not transformers' "
-                               f"ForCausalLMLoss")
+                               f"ForCausalLMLoss or ForMaskedLMLoss")
         if "return" in ends:
             return "logits"
         if "output" in ends:
