@@ -386,6 +386,60 @@ def test_a_masked_lm_loss_function_is_reproduced(gen, device):
     assert relative_error(shifted, expected.loss) > 10 * TOLERANCE
 
 
+class LlamaWithZLoss(transformers.LlamaForCausalLM):
+    """Bamba's z-loss: the mean square of every position's LSE, added to the loss, here taken
+    after the cross-entropy (of scaled logits)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden_states = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        logits = self.lm_head(hidden_states) * 2.0
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+        z_loss = logits.logsumexp(dim=-1).to(dtype=loss.dtype).pow(2).mean()
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss + 0.01 * z_loss,
+                                                            logits=logits)
+
+
+class LlamaWithZLossFirst(transformers.LlamaForCausalLM):
+    """The z-loss taken before the cross-entropy."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden_states = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        logits = self.lm_head(hidden_states) * 2.0
+        z_loss = torch.logsumexp(logits, -1).pow(2).mean()
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss + 0.01 * z_loss,
+                                                            logits=logits)
+
+
+class LlamaWithPositionLSE(transformers.LlamaForCausalLM):
+    """A log-sum-exp over the positions, not the vocabulary."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids, **kwargs).last_hidden_state)
+        z_loss = logits.logsumexp(dim=1).pow(2).mean()
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss + z_loss, logits=logits)
+
+
+@pytest.mark.parametrize("model_class, calls", [(LlamaWithZLoss, 1), (LlamaWithZLossFirst, 2)])
+def test_a_z_loss_of_the_logits_is_reproduced(model_class, calls, gen, device, cce_calls):
+    """After the cross-entropy, the z-loss reads the LSE that its call returned; before it, it
+    takes one call more."""
+    torch.manual_seed(0)
+    reference = model_class(transformers.LlamaConfig(**TINY)).to(device)
+    model = patch(copy.deepcopy(reference))
+    inputs = make_batch(gen, device)
+    head_calls = count_lm_head_calls(model)
+
+    output, expected = model(**inputs), reference(**inputs)
+    output.loss.backward()
+    expected.loss.backward()
+
+    assert output.logits is None and not head_calls and len(cce_calls) == calls
+    assert relative_error(output.loss, expected.loss) <= TOLERANCE
+    assert_same_training_step(model, reference)
+
+
 def tiny_llama_with_token_classification_loss() -> torch.nn.Module:
     from transformers.loss.loss_utils import LOSS_MAPPING
 
@@ -429,17 +483,20 @@ def wrapped_llama() -> torch.nn.Module:
      r"LlamaWithCenteredLogits is not supported: LlamaWithCenteredLogits.forward does more "
      r"with the logits than cce reproduces: `logits = logits - logits.mean\(-1, keepdim=True\)`"),
     (lambda: LlamaWithItsOwnLoss(transformers.LlamaConfig(**TINY)),
-     r"does more with the logits than cce reproduces: `loss = logits.logsumexp\(-1\).mean\(\)`"),
+     r"LlamaWithItsOwnLoss.forward computes no cross-entropy of its logits"),
     (wrapped_llama, "Sequential is not supported: cce patches transformers models"),
     (lambda: LlamaWithLogitModule(transformers.LlamaConfig(**TINY), LogitCentering()),
      r"LlamaWithLogitModule.forward does more with the logits than cce reproduces: "
      r"`logits = self.logit_module\(logits\)`"),
+    (lambda: LlamaWithPositionLSE(transformers.LlamaConfig(**TINY)),
+     r"does more with the logits than cce reproduces: "
+     r"`z_loss = logits.logsumexp\(dim=1\).pow\(2\).mean\(\)`"),
     (tiny_llama_with_token_classification_loss,
      "its loss function is ForTokenClassification, not transformers' ForCausalLMLoss or "
      "ForMaskedLMLoss"),
 ], ids=["a classifier", "no lm_head", "not a linear head", "more than scale and softcap",
         "its own loss", "not a transformers model", "a module that does more",
-        "another loss function"])
+        "a log-sum-exp over positions", "another loss function"])
 def test_unsupported_models_raise_a_value_error_naming_the_class_and_why(
         make_model: Callable[[], torch.nn.Module], message):
     model = make_model()

@@ -10,7 +10,7 @@ and every parameter's gradient (1e-4), and the summed loss equal to the big batc
 model's own loss is (it takes num_items_in_batch and has no router loss, which is not a sum
 over tokens). Mixtures of experts run with ``output_router_logits`` on, so that their router
 loss (``router_aux_loss_coef`` times ``aux_loss``) is part of the loss, and ``aux_loss`` is
-compared too. The model's head must not run (no logits).
+compared too; a z-loss (``z_loss_coefficient``) is on. The model's head must not run (no logits).
 
 The table of docs/models.md is what this file finds: ``CCE_WRITE_MODEL_TABLE=1 python -m pytest
 tests/test_model_coverage.py`` writes it; otherwise the test asserts that the committed table is
@@ -95,6 +95,8 @@ CONFIG = {
     "dbrx": dict(attn_config=dict(clip_qkv=8.0), ffn_config=dict(moe_top_k=2)),
     "mamba2": dict(num_heads=8),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    # Layer 0 Mamba, layer 1 attention (by default every layer of two is Mamba).
+    "bamba": dict(attn_layer_indices=[1]),
 }
 # Per model type: config attributes set after it is built (dotted paths into sub-configs):
 # DBRX's default config does not build in transformers 5.24 without this.
@@ -254,6 +256,8 @@ def tiny_config(model_type: str) -> transformers.PretrainedConfig:
         setattr(functools.reduce(getattr, parents, config), name, value)
     if hasattr(config, "output_router_logits"):
         config.output_router_logits = True
+    if hasattr(config, "z_loss_coefficient"):  # Bamba's z-loss, off by default: on here
+        config.z_loss_coefficient = 0.01
     return config
 
 

@@ -20,7 +20,9 @@ docs/models.md lists every model type tested: exact, refused (why), or not teste
 With labels, the patched forward runs the model's own forward, in which the output embeddings
 return a stand-in for the logits rather than the logits: it keeps the final hidden states and
 records what the forward multiplies or divides the logits by and its softcap (``tanh``), and
-slices and flattens them as the forward does. When the forward takes their cross-entropy
+slices and flattens them as the forward does. Their log-sum-exp over the vocabulary (a z-loss,
+as Bamba's) is the LSE that the cross-entropy's call returned, or one call more if taken before
+it. When the forward takes their cross-entropy
 (``F.cross_entropy``, which ``self.loss_function``'s ForCausalLMLoss or ForMaskedLMLoss and
 ``nn.CrossEntropyLoss`` call), the stand-in computes it from the hidden states and the head's
 weight (and bias) with :func:`cce.linear_cross_entropy`, with the call's ``ignore_index`` and
@@ -35,7 +37,7 @@ with ``logits_to_keep``, the model's own forward runs untouched.
 :func:`patch` first reads the source of the model's forward (and of the modules between it and
 the output embeddings, and of a module the logits pass through) and refuses, with a
 ``ValueError`` that says why, a model whose loss the patched forward would not reproduce: its
-logits put to any other use (a z-loss, a module that does more than scale and cap them, ...), a
+logits put to any other use (a module that does more than scale and cap them, ...), a
 loss that is no cross-entropy of them or a loss function other than ForCausalLMLoss and
 ForMaskedLMLoss, output embeddings that are not an ``nn.Linear``. With PEFT, patch the wrapped
 model: ``patch(peft_model.get_base_model())``. While a patched forward runs, the stand-in takes
@@ -204,14 +206,34 @@ def _loss_function(model: nn.Module) -> Callable[..., Any]:
 
 # What a patched forward reproduces of the logits: multiplied or divided by a number (a logit
 # scale; a softcap's division and multiplication), tanh (a softcap), casts, slices of leading
-# dimensions and views that flatten them, their shape, and the cross-entropy of the flattened
-# logits (as transformers' loss functions compute it, or F.cross_entropy, or nn.CrossEntropyLoss).
+# dimensions and views that flatten them, their shape, their log-sum-exp over the vocabulary
+# (a z-loss), and the cross-entropy of the flattened logits (as transformers' loss functions
+# compute it, or F.cross_entropy, or nn.CrossEntropyLoss).
 _SCALE_OPERATORS = (ast.Mult, ast.Div)
 # transformers' loss functions that flatten the logits and take their cross-entropy
 # (F.cross_entropy), the labels shifted to the next token or not.
 _CROSS_ENTROPY_LOSSES = (ForCausalLMLoss, ForMaskedLMLoss)
 _METHODS = ("float", "to", "contiguous", "tanh", "view", "reshape")
 _METADATA = ("shape", "size", "dim", "ndim", "dtype", "device")
+
+
+def _is_vocabulary_logsumexp(node: ast.expr, parent: Optional[ast.AST],
+                             grandparent: Optional[ast.AST]) -> bool:
+    """Whether ``node`` (the logits) is taken ``logits.logsumexp(dim=-1)`` or
+    ``torch.logsumexp(logits, -1)``: over the vocabulary, without keepdim."""
+    if (isinstance(parent, ast.Attribute) and parent.attr == "logsumexp"
+            and isinstance(grandparent, ast.Call) and grandparent.func is parent):
+        dims = grandparent.args + [keyword.value for keyword in grandparent.keywords
+                                   if keyword.arg == "dim"]
+        others = [keyword for keyword in grandparent.keywords if keyword.arg != "dim"]
+    elif (isinstance(parent, ast.Call) and parent.args[:1] == [node]
+          and ast.unparse(parent.func).split(".")[-1] == "logsumexp"):
+        dims = parent.args[1:] + [keyword.value for keyword in parent.keywords
+                                  if keyword.arg == "dim"]
+        others = [keyword for keyword in parent.keywords if keyword.arg != "dim"]
+    else:
+        return False
+    return len(dims) == 1 and ast.unparse(dims[0]) == "-1" and not others
 
 
 class _ForwardReading:
@@ -412,6 +434,8 @@ class _ForwardReading:
                 node = grandparent  # logits.float(), logits.view(-1, vocab_size)
             elif isinstance(parent, ast.Attribute) and parent.attr in _METADATA:
                 return None, "metadata"  # labels.to(logits.device)
+            elif _is_vocabulary_logsumexp(node, parent, grandparent):
+                return None, "logsumexp"  # a z-loss: logits.logsumexp(dim=-1), a tensor
             else:
                 break
         name = self._assigned_name(node)
@@ -533,16 +557,28 @@ class _HeadStandIn(nn.Module):
         return getattr(self.__dict__["_head"], name)
 
 
+@dataclass
+class _TakenLSE:
+    """The LSE of every row of the last cross-entropy that a stand-in took: of which hidden
+    states (N, D), after which operations."""
+
+    hidden_states: torch.Tensor
+    operations: tuple
+    lse: torch.Tensor
+
+
 class _DeferredLogits:
     """The logits ``head(hidden_states)`` of a patched forward, never computed: the hidden
     states, and what the forward applies to the logits (a scale, tanh), for their
-    cross-entropy to reproduce. Slices of the leading dimensions and views that flatten them
-    apply to the hidden states; any other use raises."""
+    cross-entropy (and log-sum-exp, a z-loss) to reproduce. Slices of the leading dimensions
+    and views that flatten them apply to the hidden states; any other use raises."""
 
     def __init__(self, hidden_states: torch.Tensor, head: nn.Linear, options: dict[str, Any],
-                 operations: tuple = ()) -> None:
+                 operations: tuple = (), taken: Optional[list[_TakenLSE]] = None) -> None:
         self.hidden_states, self.head, self.options = hidden_states, head, options
         self.operations = operations  # ("scale", number) and ("tanh",), in order
+        # Shared by the stand-ins made from one: the LSE their cross-entropy took.
+        self.taken = [] if taken is None else taken
 
     def __repr__(self) -> str:
         return f"_DeferredLogits(shape={tuple(self.shape)}, operations={self.operations})"
@@ -550,7 +586,7 @@ class _DeferredLogits:
     def _then(self, operation: tuple = (), hidden_states: Optional[torch.Tensor] = None,
               ) -> _DeferredLogits:
         return _DeferredLogits(self.hidden_states if hidden_states is None else hidden_states,
-                               self.head, self.options, self.operations + operation)
+                               self.head, self.options, self.operations + operation, self.taken)
 
     # What the logits would be.
     @property
@@ -631,6 +667,8 @@ class _DeferredLogits:
                 return first / second
         if func is nn.functional.cross_entropy and isinstance(args[0], cls):
             return args[0].cross_entropy(*args[1:], **kwargs)
+        if func in (torch.logsumexp, torch.Tensor.logsumexp) and isinstance(args[0], cls):
+            return args[0].logsumexp(*args[1:], **kwargs)
         raise _unreproduced_use(getattr(func, "__name__", str(func)))
 
     def __getattr__(self, name: str) -> Any:
@@ -657,12 +695,53 @@ class _DeferredLogits:
             options["weight"] = weight
         if options["label_smoothing"] == 0.0:
             options["label_smoothing"] = label_smoothing
+        loss, lse = self._loss_and_lse(target, ignore_index=ignore_index, reduction=reduction,
+                                       **options)
+        self.taken[:] = [_TakenLSE(self.hidden_states, self.operations, lse)]
+        return loss
+
+    def logsumexp(self, dim: int, keepdim: bool = False) -> torch.Tensor:
+        """``torch.logsumexp(logits, dim=-1)`` (a z-loss, as Bamba's): the LSE that the
+        cross-entropy just taken over the same rows computed, else one more call of cce."""
+        if keepdim or dim not in (-1, self.dim() - 1):
+            raise _unreproduced_use("log-sum-exp other than over the vocabulary")
+        rows = self.hidden_states.shape[:-1]
+        for taken in self.taken:
+            if (_same_rows(taken.hidden_states, self.hidden_states)
+                    and _same_operations(taken.operations, self.operations)):
+                return taken.lse.view(rows)
+        flat = self._then(hidden_states=self.hidden_states.reshape(rows.numel(), -1))
+        no_target = torch.full((rows.numel(),), -100, dtype=torch.long,
+                               device=self.hidden_states.device)
+        _, lse = flat._loss_and_lse(no_target, ignore_index=-100, reduction="none",
+                                    **self.options)
+        return lse.view(rows)
+
+    def _loss_and_lse(self, target: torch.Tensor, **options: Any,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cce's loss and every row's LSE of these (flattened) logits."""
         scale, softcap = _scale_and_softcap(self.operations)
         return _as_head_forward(
             self.head, self.hidden_states,
             lambda hidden_states: _cross_entropy(
                 self.head, hidden_states, target, scale=scale, softcap=softcap,
-                ignore_index=ignore_index, reduction=reduction, **options))
+                return_lse=True, **options))
+
+
+def _same_rows(flat: torch.Tensor, hidden_states: torch.Tensor) -> bool:
+    """Whether ``flat`` (N, D) holds the rows of ``hidden_states`` (..., D), in order."""
+    return (flat.data_ptr() == hidden_states.data_ptr() and flat.is_contiguous()
+            and hidden_states.is_contiguous() and flat.shape[-1] == hidden_states.shape[-1]
+            and flat.shape[0] == hidden_states.shape[:-1].numel())
+
+
+def _same_operations(first: tuple, second: tuple) -> bool:
+    """Whether two stand-ins' operations are the same (a learnt scale: the same tensor)."""
+    return len(first) == len(second) and all(
+        a[0] == b[0] and (len(a) == 1 or a[1] is b[1] or (
+            not isinstance(a[1], torch.Tensor) and not isinstance(b[1], torch.Tensor)
+            and a[1] == b[1]))
+        for a, b in zip(first, second))
 
 
 def _unreproduced_use(what: str) -> AttributeError:
@@ -738,9 +817,9 @@ def _cross_entropy(
     scale: Union[float, torch.Tensor],
     softcap: Optional[float],
     **options: Any,
-) -> torch.Tensor:
+) -> Any:
     """``F.cross_entropy(softcap(scale * head(hidden_states)), targets, ...)`` by cce, without
-    the logits."""
+    the logits (with ``return_lse=True``, and every row's LSE)."""
     weight, bias = head.weight, head.bias
     device_type = weight.device.type
     # Under autocast, the head would multiply in the autocast dtype; cce needs one dtype anyway.
