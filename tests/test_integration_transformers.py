@@ -304,6 +304,18 @@ class LlamaWithCenteredLogits(transformers.LlamaForCausalLM):
         return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
 
 
+class LlamaCenteringInTraining(transformers.LlamaForCausalLM):
+    """A branch on ``self.training``, which patch does not read as the configuration (the mode
+    changes with train() and eval())."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids, **kwargs).last_hidden_state)
+        if not self.training:
+            logits = logits - logits.mean(-1, keepdim=True)
+        loss = self.loss_function(logits, labels, self.config.vocab_size)
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
 class LlamaWithItsOwnLoss(transformers.LlamaForCausalLM):
     """A forward that computes its loss from the logits otherwise than by a cross-entropy."""
 
@@ -488,6 +500,8 @@ def wrapped_llama() -> torch.nn.Module:
     (lambda: LlamaWithLogitModule(transformers.LlamaConfig(**TINY), LogitCentering()),
      r"LlamaWithLogitModule.forward does more with the logits than cce reproduces: "
      r"`logits = self.logit_module\(logits\)`"),
+    (lambda: LlamaCenteringInTraining(transformers.LlamaConfig(**TINY)),
+     r"`logits = logits - logits.mean\(-1, keepdim=True\)`"),
     (lambda: LlamaWithPositionLSE(transformers.LlamaConfig(**TINY)),
      r"does more with the logits than cce reproduces: "
      r"`z_loss = logits.logsumexp\(dim=1\).pow\(2\).mean\(\)`"),
@@ -496,7 +510,7 @@ def wrapped_llama() -> torch.nn.Module:
      "ForMaskedLMLoss"),
 ], ids=["a classifier", "no lm_head", "not a linear head", "more than scale and softcap",
         "its own loss", "not a transformers model", "a module that does more",
-        "a log-sum-exp over positions", "another loss function"])
+        "a branch on the mode", "a log-sum-exp over positions", "another loss function"])
 def test_unsupported_models_raise_a_value_error_naming_the_class_and_why(
         make_model: Callable[[], torch.nn.Module], message):
     model = make_model()
@@ -565,6 +579,45 @@ def test_a_vision_language_model_gets_its_pixels(gen, device):
     assert relative_error(model.get_parameter(vision).grad,
                           reference.get_parameter(vision).grad) <= 1e-4
     assert relative_error(text_only, output.loss) > 10 * TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["Blip2", "InstructBlip"])
+def test_a_query_transformer_vlm_is_exact_and_its_language_model_output_has_no_logits(
+        family, gen, device):
+    """BLIP-2 and InstructBLIP with a decoder-only language model (OPT): the branch the config
+    takes is read, the language model's output is a field of the model's, without logits."""
+    config = getattr(transformers, f"{family}Config")(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=28, patch_size=14),
+        qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, encoder_hidden_size=32, vocab_size=VOCAB),
+        text_config=dict(model_type="opt", vocab_size=VOCAB, hidden_size=32, ffn_dim=64,
+                         num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32,
+                         max_position_embeddings=64, pad_token_id=1),
+        num_query_tokens=4, image_token_index=5)
+    torch.manual_seed(0)
+    # eval(): OPT's dropout would draw differently in the two models.
+    reference = getattr(transformers, f"{family}ForConditionalGeneration")(config)
+    reference = reference.to(device).eval()
+    model = patch(copy.deepcopy(reference))
+    inputs = make_batch(gen, device)
+    inputs["input_ids"][:, :4] = 5  # the query tokens' places
+    inputs["labels"][:, :4] = -100
+    inputs["pixel_values"] = torch.randn(BATCH, 3, 28, 28, generator=gen).to(device)
+    if family == "InstructBlip":
+        inputs["qformer_input_ids"] = torch.randint(6, VOCAB, (BATCH, 6), generator=gen).to(device)
+
+    output, expected = model(**inputs), reference(**inputs)
+    output.loss.backward()
+    expected.loss.backward()
+
+    assert output.logits is None and "logits" not in output.language_model_outputs
+    assert relative_error(output.loss, expected.loss) <= TOLERANCE
+    grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    floor = 1e-3 * torch.cat([grad.flatten() for grad in grads.values()]).norm()
+    for name, grad in grads.items():  # a gradient near 0 is compared to the floor
+        error = (model.get_parameter(name).grad - grad).norm() / max(grad.norm(), floor)
+        assert error <= 1e-4, f"gradient of {name}: relative error {error:.2e}"
 
 
 def test_models_with_a_base_and_a_head_named_otherwise(gen, device):

@@ -35,10 +35,11 @@ other fields of its output. Its ``logits`` are None. Without labels (inference, 
 with ``logits_to_keep``, the model's own forward runs untouched.
 
 :func:`patch` first reads the source of the model's forward (and of the modules between it and
-the output embeddings, and of a module the logits pass through) and refuses, with a
-``ValueError`` that says why, a model whose loss the patched forward would not reproduce: its
-logits put to any other use (a module that does more than scale and cap them, ...), a
-loss that is no cross-entropy of them or a loss function other than ForCausalLMLoss and
+the output embeddings, and of a module the logits pass through; of a branch on the model's
+configuration, the one it takes when patched, as BLIP-2's decoder-only language model's) and
+refuses, with a ``ValueError`` that says why, a model whose loss the patched forward would not
+reproduce: its logits put to any other use (a module that does more than scale and cap them,
+...), a loss that is no cross-entropy of them or a loss function other than ForCausalLMLoss and
 ForMaskedLMLoss, output embeddings that are not an ``nn.Linear``. With PEFT, patch the wrapped
 model: ``patch(peft_model.get_base_model())``. While a patched forward runs, the stand-in takes
 the output embeddings' place in their parent module: a patched model runs one forward at a
@@ -56,6 +57,7 @@ import ast
 import functools
 import inspect
 import math
+import operator
 import textwrap
 import types
 from dataclasses import dataclass
@@ -64,6 +66,7 @@ from typing import Any, Callable, Iterator, Literal, Optional, Union
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
 from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
 
 import cce
@@ -210,6 +213,7 @@ def _loss_function(model: nn.Module) -> Callable[..., Any]:
 # (a z-loss), and the cross-entropy of the flattened logits (as transformers' loss functions
 # compute it, or F.cross_entropy, or nn.CrossEntropyLoss).
 _SCALE_OPERATORS = (ast.Mult, ast.Div)
+_UNKNOWN = object()  # a test that patch cannot read from the module's attributes
 # transformers' loss functions that flatten the logits and take their cross-entropy
 # (F.cross_entropy), the labels shifted to the next token or not.
 _CROSS_ENTROPY_LOSSES = (ForCausalLMLoss, ForMaskedLMLoss)
@@ -258,6 +262,7 @@ class _ForwardReading:
         self.self_name = self.function.args.args[0].arg if self.function.args.args else "self"
         self.parents = {child: node for node in ast.walk(self.function)
                         for child in ast.iter_child_nodes(node)}
+        self.dead = self._dead_branches()
         # Names bound to nn.CrossEntropyLoss(...): loss_fct = CrossEntropyLoss()
         self.cross_entropy_losses = {
             node.targets[0].id for node in ast.walk(self.function)
@@ -294,12 +299,61 @@ class _ForwardReading:
         if self.returns() is None:
             raise _Unsupported(f"{self.owner}.forward does not call its output embeddings")
 
+    def _dead_branches(self) -> set[ast.AST]:
+        """The nodes of the branches that the module's configuration rules out: ``if
+        self.config.use_decoder_only_language_model:`` (BLIP-2) or ``if self.asm is False:``
+        (XLM), read as the configuration is when the model is patched."""
+        dead: set[ast.AST] = set()
+        for node in ast.walk(self.function):
+            if isinstance(node, ast.If) and node not in dead:
+                value = self._configured(node.test)
+                if value is not _UNKNOWN:
+                    for statement in node.orelse if value else node.body:
+                        dead.update(ast.walk(statement))
+        return dead
+
+    def _configured(self, node: ast.expr) -> Any:
+        """The truth of a test of the module's attributes and constants (``self.a.b``, ``not``,
+        ``is``, ``is not``, ``==``, ``!=``), else _UNKNOWN."""
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            value = self._configured(node.operand)
+            return _UNKNOWN if value is _UNKNOWN else not value
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            left, right = self._value(node.left), self._value(node.comparators[0])
+            if left is _UNKNOWN or right is _UNKNOWN:
+                return _UNKNOWN
+            compare = {ast.Is: operator.is_, ast.IsNot: operator.is_not, ast.Eq: operator.eq,
+                       ast.NotEq: operator.ne}.get(type(node.ops[0]))
+            return _UNKNOWN if compare is None else bool(compare(left, right))
+        value = self._value(node)
+        return value if value is _UNKNOWN else bool(value)
+
+    def _value(self, node: ast.expr) -> Any:
+        """The value of a constant or of ``self.a.b`` when it is a plain constant (a bool, a
+        number, a string or None), else _UNKNOWN; not ``self.training``, which ``train()`` and
+        ``eval()`` change."""
+        if isinstance(node, ast.Constant):
+            return node.value
+        names = []
+        while isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        if not (isinstance(node, ast.Name) and node.id == self.self_name and names
+                and "training" not in names):
+            return _UNKNOWN
+        value: Any = self.module
+        for name in reversed(names):
+            value = getattr(value, name, _UNKNOWN)
+            if value is _UNKNOWN:
+                return _UNKNOWN
+        return value if value is None or isinstance(value, (bool, int, float, str)) else _UNKNOWN
+
     def _head_calls(self) -> list[tuple[ast.Call, str]]:
         """The calls of the head, or of a submodule that returns its logits, with what they
-        return ("logits" or "output")."""
+        return ("logits" or "output"), outside the branches the configuration rules out."""
         calls = []
         for node in ast.walk(self.function):
-            if not isinstance(node, ast.Call):
+            if not isinstance(node, ast.Call) or node in self.dead:
                 continue
             callee = self._submodule(node.func)
             if callee is self.head:
@@ -378,7 +432,9 @@ class _ForwardReading:
 
     def _logits_of_output(self, call: ast.Call) -> list[ast.expr]:
         """``outputs.logits`` and ``outputs[0]`` of ``outputs = self.language_model(...)``;
-        other fields of the output are not the logits."""
+        other fields of the output are not the logits, and the output may be a field of the
+        forward's own (``language_model_outputs=outputs``, BLIP-2), whose logits the patched
+        forward leaves out too."""
         name = self._assigned_name(call)
         if name is None:
             self._refuse(call)
@@ -388,7 +444,9 @@ class _ForwardReading:
             if isinstance(use, ast.Attribute) and use.attr == "logits" or (
                     isinstance(use, ast.Subscript) and ast.unparse(use.slice) == "0"):
                 logits.append(use)
-            elif not isinstance(use, (ast.Attribute, ast.Subscript)):
+            elif not isinstance(use, (ast.Attribute, ast.Subscript)) and not (
+                    isinstance(use, ast.keyword)
+                    and "Output" in ast.unparse(self.parents[use].func)):
                 self._refuse(node)
         return logits
 
@@ -407,7 +465,7 @@ class _ForwardReading:
         after = (node.end_lineno, node.end_col_offset)
         for node in ast.walk(self.function):
             if (isinstance(node, ast.Name) and node.id == name
-                    and isinstance(node.ctx, ast.Load)
+                    and isinstance(node.ctx, ast.Load) and node not in self.dead
                     and (node.lineno, node.col_offset) >= after):
                 yield node
 
@@ -512,12 +570,24 @@ def _forward_with_cce_loss(model: PreTrainedModel, args: tuple, kwargs: dict) ->
     if isinstance(output, tuple) or not isinstance(output.get("logits"), _DeferredLogits):
         raise RuntimeError(f"cce: {type(model).__name__}.forward did not return the stand-in "
                            f"of its logits; unpatch(model) to train it")
-    # The output without its logits, which were never computed.
-    output = type(output)(**{key: value for key, value in output.items() if key != "logits"})
+    # The output without its logits, which were never computed (nor those of an output within).
+    output = _without_logits(output)
     # The rule of transformers' can_return_tuple, which the model's own forward follows.
     if return_dict is None:
         return_dict = model.config.return_dict
     return output if return_dict else output.to_tuple()
+
+
+def _without_logits(output: Any) -> Any:
+    """``output`` (a ModelOutput) without its stand-in logits, and so the outputs within it."""
+    return type(output)(**{
+        key: _without_logits(value) if _holds_stand_in(value) else value
+        for key, value in output.items() if not isinstance(value, _DeferredLogits)})
+
+
+def _holds_stand_in(value: Any) -> bool:
+    return isinstance(value, ModelOutput) and any(
+        isinstance(field, _DeferredLogits) or _holds_stand_in(field) for field in value.values())
 
 
 def _with_return_dict(forward: Callable[..., Any], args: tuple,
