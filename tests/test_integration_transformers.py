@@ -96,6 +96,16 @@ def assert_same_training_step(model, reference) -> None:
         assert error <= TOLERANCE, f"gradient of {name}: relative error {error:.2e}"
 
 
+def assert_same_gradients(model, reference) -> None:
+    """Every parameter's gradient within 1e-4, one near 0 against 1e-3 of the whole norm (its
+    own norm would be float32 noise there)."""
+    grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    floor = 1e-3 * torch.cat([grad.flatten() for grad in grads.values()]).norm()
+    for name, grad in grads.items():
+        error = (model.get_parameter(name).grad - grad).norm() / max(grad.norm(), floor)
+        assert error <= 1e-4, f"gradient of {name}: relative error {error:.2e}"
+
+
 def count_lm_head_calls(model) -> list[int]:
     """A list whose length grows by one each time lm_head runs (i.e. logits are computed)."""
     calls: list[int] = []
@@ -613,11 +623,34 @@ def test_a_query_transformer_vlm_is_exact_and_its_language_model_output_has_no_l
 
     assert output.logits is None and "logits" not in output.language_model_outputs
     assert relative_error(output.loss, expected.loss) <= TOLERANCE
-    grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
-    floor = 1e-3 * torch.cat([grad.flatten() for grad in grads.values()]).norm()
-    for name, grad in grads.items():  # a gradient near 0 is compared to the floor
-        error = (model.get_parameter(name).grad - grad).norm() / max(grad.norm(), floor)
-        assert error <= 1e-4, f"gradient of {name}: relative error {error:.2e}"
+    assert_same_gradients(model, reference)
+
+
+def test_a_vision_encoder_decoder_is_exact(gen, device):
+    """VisionEncoderDecoderModel (ViT + GPT-2): the decoder returns the stand-in, the model
+    takes its cross-entropy; its tuple branch is not taken."""
+    encoder = transformers.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, image_size=28, patch_size=14)
+    decoder = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                      n_positions=64, bos_token_id=1, eos_token_id=2)
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder,
+                                                                                 decoder)
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    torch.manual_seed(0)
+    # eval(): the dropouts would draw differently in the two models.
+    reference = transformers.VisionEncoderDecoderModel(config).to(device).eval()
+    model = patch(copy.deepcopy(reference))
+    labels = make_batch(gen, device)["labels"]
+    pixel_values = torch.randn(BATCH, 3, 28, 28, generator=gen).to(device)
+
+    output = model(pixel_values=pixel_values, labels=labels)
+    expected = reference(pixel_values=pixel_values, labels=labels)
+    output.loss.backward()
+    expected.loss.backward()
+
+    assert output.logits is None
+    assert relative_error(output.loss, expected.loss) <= TOLERANCE
+    assert_same_gradients(model, reference)
 
 
 def test_models_with_a_base_and_a_head_named_otherwise(gen, device):

@@ -122,6 +122,10 @@ NOT_TESTED = {
                      ("instructblip", "InstructBlipForConditionalGeneration")],
                     "needs pixel_values: exact with them in test_integration_transformers.py"),
     ("instructblipvideo", "InstructBlipVideoForConditionalGeneration"): "needs video frames",
+    ("kosmos-2", "Kosmos2ForConditionalGeneration"): "needs pixel_values",
+    ("pix2struct", "Pix2StructForConditionalGeneration"): "needs flattened_patches",
+    ("vision-encoder-decoder", "VisionEncoderDecoderModel"):
+        "needs pixel_values: exact with them in test_integration_transformers.py",
     ("udop", "UdopForConditionalGeneration"): "an encoder-decoder: needs decoder inputs",
     ("xmod", "XmodForCausalLM"): "needs a language chosen (set_default_language)",
     ("musicgen", "MusicgenForCausalLM"): "an audio-codebook decoder",

@@ -13,7 +13,8 @@ softcaps them, and takes their cross-entropy: the ``*ForCausalLM`` and ``*LMHead
 (Llama; Gemma 2 with its softcap, Inkling 2 with a softcap module; Cohere and Granite with
 their logit scale; GPT-2's ``transformer`` and GPT-NeoX's ``embed_out`` as well as
 ``model.model`` and ``lm_head``; BERT's prediction head) and the text head of
-``*ForConditionalGeneration`` vision-language models (Gemma 3, Qwen2-VL, LLaVA, Mllama, ...),
+``*ForConditionalGeneration`` vision-language models (Gemma 3, Qwen2-VL, LLaVA, Mllama, BLIP-2,
+...; Kosmos-2.5's text model takes the cross-entropy within), ``VisionEncoderDecoderModel``,
 mixtures of experts with their router loss.
 docs/models.md lists every model type tested: exact, refused (why), or not tested (why).
 
@@ -263,6 +264,9 @@ class _ForwardReading:
         self.parents = {child: node for node in ast.walk(self.function)
                         for child in ast.iter_child_nodes(node)}
         self.dead = self._dead_branches()
+        # Whether the forward, or a module within that returns the logits, takes their
+        # cross-entropy (known once returns() has read it).
+        self.takes_cross_entropy = self.inner_cross_entropy = False
         # Names bound to nn.CrossEntropyLoss(...): loss_fct = CrossEntropyLoss()
         self.cross_entropy_losses = {
             node.targets[0].id for node in ast.walk(self.function)
@@ -281,7 +285,10 @@ class _ForwardReading:
             raise _Unsupported(f"{self.owner}.forward calls its output embeddings in "
                                f"{len(calls)} places")
         ends = self._ends(*calls[0])
-        if self.outermost and not ends & {"loss_function", "cross_entropy"}:
+        # Where a module within computes the cross-entropy (Kosmos-2's text model, given the
+        # labels), the forward may take its loss.
+        self.takes_cross_entropy = bool(ends & {"loss_function", "cross_entropy"})
+        if self.outermost and not (self.takes_cross_entropy or self.inner_cross_entropy):
             raise _Unsupported(f"{self.owner}.forward computes no cross-entropy of its logits")
         if "loss_function" in ends and _loss_function(self.module) not in _CROSS_ENTROPY_LOSSES:
             name = getattr(_loss_function(self.module), "__name__", "another")
@@ -359,9 +366,12 @@ class _ForwardReading:
             if callee is self.head:
                 calls.append((node, "logits"))
             elif callee is not None and any(module is self.head for module in callee.modules()):
-                returns = _ForwardReading(callee, self.head, outermost=False).returns()
+                within = _ForwardReading(callee, self.head, outermost=False)
+                returns = within.returns()
                 if returns is not None:
                     calls.append((node, returns))
+                    self.inner_cross_entropy |= (within.takes_cross_entropy
+                                                 or within.inner_cross_entropy)
         return calls
 
     def _submodule(self, node: ast.expr) -> Optional[nn.Module]:
@@ -446,7 +456,8 @@ class _ForwardReading:
                 logits.append(use)
             elif not isinstance(use, (ast.Attribute, ast.Subscript)) and not (
                     isinstance(use, ast.keyword)
-                    and "Output" in ast.unparse(self.parents[use].func)):
+                    and "Output" in ast.unparse(self.parents[use].func)
+                    or self._in_tuple_branch(node)):
                 self._refuse(node)
         return logits
 
@@ -487,6 +498,10 @@ class _ForwardReading:
                 node = parent  # self.logit_softcap(logits), a module that only caps them
             elif isinstance(parent, ast.Subscript) and parent.value is node:
                 node = parent  # logits[:, start:-1, :], checked to keep the last dimension
+            elif isinstance(parent, ast.IfExp) and ast.unparse(parent.test) == "return_dict":
+                if parent.body is not node:  # the tuple's side: a patched forward returns a dict
+                    return None, "tuple"
+                node = parent  # outputs.logits if return_dict else outputs[0]
             elif (isinstance(parent, ast.Attribute) and parent.attr in _METHODS
                   and isinstance(grandparent, ast.Call) and grandparent.func is parent):
                 node = grandparent  # logits.float(), logits.view(-1, vocab_size)
