@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import pytest
 import torch
@@ -111,6 +111,26 @@ def count_lm_head_calls(model) -> list[int]:
     calls: list[int] = []
     model.lm_head.register_forward_hook(lambda *_: calls.append(1))
     return calls
+
+
+class TrainingStep(NamedTuple):
+    model: transformers.PreTrainedModel  # the patched copy
+    inputs: dict
+    output: object  # the patched copy's
+    expected: object  # the reference's
+    head_calls: list  # of the patched copy's head
+
+
+def patched_training_step(reference, gen, device) -> TrainingStep:
+    """A patched copy of ``reference`` and one training step of both on a batch, gradients
+    computed."""
+    model = patch(copy.deepcopy(reference))
+    head_calls = count_lm_head_calls(model)
+    inputs = make_batch(gen, device)
+    output, expected = model(**inputs), reference(**inputs)
+    output.loss.backward()
+    expected.loss.backward()
+    return TrainingStep(model, inputs, output, expected, head_calls)
 
 
 @pytest.fixture
@@ -372,21 +392,17 @@ def test_a_softcap_module_of_the_model_is_applied(gen, device):
     torch.manual_seed(0)
     reference = LlamaWithLogitModule(transformers.LlamaConfig(**TINY), LogitSoftcap(0.05))
     reference = reference.to(device)
-    model = patch(copy.deepcopy(reference))
-    inputs = make_batch(gen, device)
-    head_calls = count_lm_head_calls(model)
 
-    output, expected = model(**inputs), reference(**inputs)
-    output.loss.backward()
-    expected.loss.backward()
+    step = patched_training_step(reference, gen, device)
 
-    assert output.logits is None and not head_calls
-    assert relative_error(output.loss, expected.loss) <= TOLERANCE
-    assert_same_training_step(model, reference)
+    assert step.output.logits is None and not step.head_calls
+    assert relative_error(step.output.loss, step.expected.loss) <= TOLERANCE
+    assert_same_training_step(step.model, reference)
     uncapped = LlamaWithLogitModule(transformers.LlamaConfig(**TINY), torch.nn.Identity())
     uncapped.load_state_dict(reference.state_dict())
     # The cap moves the loss: the patched loss applied it.
-    assert relative_error(uncapped.to(device)(**inputs).loss, expected.loss) > 10 * TOLERANCE
+    uncapped_loss = uncapped.to(device)(**step.inputs).loss
+    assert relative_error(uncapped_loss, step.expected.loss) > 10 * TOLERANCE
 
 
 def test_a_masked_lm_loss_function_is_reproduced(gen, device):
@@ -395,17 +411,13 @@ def test_a_masked_lm_loss_function_is_reproduced(gen, device):
 
     reference = tiny_model("llama", device)
     reference._loss_function = LOSS_MAPPING["ForMaskedLM"]
-    model = patch(copy.deepcopy(reference))
-    inputs = make_batch(gen, device)
 
-    output, expected = model(**inputs), reference(**inputs)
-    output.loss.backward()
-    expected.loss.backward()
+    step = patched_training_step(reference, gen, device)
 
-    assert relative_error(output.loss, expected.loss) <= TOLERANCE
-    assert_same_training_step(model, reference)
-    shifted = tiny_model("llama", device)(**inputs).loss  # the default, ForCausalLMLoss
-    assert relative_error(shifted, expected.loss) > 10 * TOLERANCE
+    assert relative_error(step.output.loss, step.expected.loss) <= TOLERANCE
+    assert_same_training_step(step.model, reference)
+    shifted = tiny_model("llama", device)(**step.inputs).loss  # the default, ForCausalLMLoss
+    assert relative_error(shifted, step.expected.loss) > 10 * TOLERANCE
 
 
 class LlamaWithZLoss(transformers.LlamaForCausalLM):
@@ -449,17 +461,12 @@ def test_a_z_loss_of_the_logits_is_reproduced(model_class, calls, gen, device, c
     takes one call more."""
     torch.manual_seed(0)
     reference = model_class(transformers.LlamaConfig(**TINY)).to(device)
-    model = patch(copy.deepcopy(reference))
-    inputs = make_batch(gen, device)
-    head_calls = count_lm_head_calls(model)
 
-    output, expected = model(**inputs), reference(**inputs)
-    output.loss.backward()
-    expected.loss.backward()
+    step = patched_training_step(reference, gen, device)
 
-    assert output.logits is None and not head_calls and len(cce_calls) == calls
-    assert relative_error(output.loss, expected.loss) <= TOLERANCE
-    assert_same_training_step(model, reference)
+    assert step.output.logits is None and not step.head_calls and len(cce_calls) == calls
+    assert relative_error(step.output.loss, step.expected.loss) <= TOLERANCE
+    assert_same_training_step(step.model, reference)
 
 
 def tiny_llama_with_token_classification_loss() -> torch.nn.Module:
