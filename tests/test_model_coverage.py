@@ -106,6 +106,15 @@ SET_AFTER = {"dbrx": {"attn_config.rope_theta": 10000.0}}
 TIMM = "needs the timm package"
 TEXT_CONFIG = "the class takes the text config: see {}"
 TINY_FAILS = "no tiny config found that builds and runs ({})"
+# Per (model type, class): models this file's text-only batch cannot run, tested exact with the
+# inputs they need in test_integration_transformers.py (test_models_with_pixel_inputs_are_exact).
+TESTED_WITH_PIXELS = {
+    **dict.fromkeys([("blip-2", "Blip2ForConditionalGeneration"),
+                     ("instructblip", "InstructBlipForConditionalGeneration"),
+                     ("kosmos-2", "Kosmos2ForConditionalGeneration"),
+                     ("vision-encoder-decoder", "VisionEncoderDecoderModel")], "pixel_values"),
+    ("pix2struct", "Pix2StructForConditionalGeneration"): "flattened_patches",
+}
 NOT_TESTED = {
     ("gemma3n", "Gemma3nForConditionalGeneration"): TIMM,
     ("fast_vlm", "FastVlmForConditionalGeneration"): TIMM,
@@ -118,14 +127,7 @@ NOT_TESTED = {
         "its own forward fails on text alone in transformers 5.24 (`outputs.image_outputs`)",
     ("git", "GitForCausalLM"): "its loss slices off image tokens: needs pixel_values",
     ("pp_formulanet", "PPFormulaNetForConditionalGeneration"): "needs pixel_values",
-    **dict.fromkeys([("blip-2", "Blip2ForConditionalGeneration"),
-                     ("instructblip", "InstructBlipForConditionalGeneration")],
-                    "needs pixel_values: exact with them in test_integration_transformers.py"),
     ("instructblipvideo", "InstructBlipVideoForConditionalGeneration"): "needs video frames",
-    ("kosmos-2", "Kosmos2ForConditionalGeneration"): "needs pixel_values",
-    ("pix2struct", "Pix2StructForConditionalGeneration"): "needs flattened_patches",
-    ("vision-encoder-decoder", "VisionEncoderDecoderModel"):
-        "needs pixel_values: exact with them in test_integration_transformers.py",
     ("udop", "UdopForConditionalGeneration"): "an encoder-decoder: needs decoder inputs",
     ("xmod", "XmodForCausalLM"): "needs a language chosen (set_default_language)",
     ("musicgen", "MusicgenForCausalLM"): "an audio-codebook decoder",
@@ -292,9 +294,9 @@ def build(model_type: str, class_name: str, device: str = "cpu") -> torch.nn.Mod
 
 @functools.lru_cache(maxsize=None)
 def status(model_type: str, class_name: str) -> str:
-    """"exact", "refused: why" or "not tested: why", as the table writes it (built on the meta
-    device, where nothing is computed: patch reads the model; the exactness is
-    test_patched_model_is_exact's)."""
+    """"exact", "exact (with the inputs: where)", "refused: why" or "not tested: why", as the
+    table writes it (built on the meta device, where nothing is computed: patch reads the
+    model; the exactness is test_patched_model_is_exact's, or the test named)."""
     if (model_type, class_name) in NOT_TESTED:
         return f"not tested: {NOT_TESTED[model_type, class_name]}"
     model = build(model_type, class_name, "meta")
@@ -302,6 +304,9 @@ def status(model_type: str, class_name: str) -> str:
         patch(model)
     except ValueError as refusal:
         return f"refused: {str(refusal).split(' is not supported: ', 1)[-1]}"
+    if (model_type, class_name) in TESTED_WITH_PIXELS:
+        return (f"exact (with {TESTED_WITH_PIXELS[model_type, class_name]}, in "
+                f"test_integration_transformers.py)")
     return "exact"
 
 
@@ -402,9 +407,10 @@ def table() -> str:
         "causal-LM and image-text-to-text mappings is built tiny from its config (float32, CPU).",
         "*exact*: the patched model's loss and every parameter's gradient match the unpatched",
         "model's (relative error 1e-5 and 1e-4), with ignored labels, gradient accumulation",
-        "(`num_items_in_batch`) and, for mixtures of experts, their router loss. *refused*:",
-        "`patch` raises a `ValueError` with the reason given. *not tested*: the tiny model",
-        "cannot be built or run here, for the reason given.",
+        "(`num_items_in_batch`) and, for mixtures of experts, their router loss (models that",
+        "need images: loss and gradients of one batch with them, in the test named).",
+        "*refused*: `patch` raises a `ValueError` with the reason given. *not tested*: the",
+        "tiny model cannot be built or run here, for the reason given.",
         "",
     ]
     statuses = {row: status(*row) for row in rows()}
