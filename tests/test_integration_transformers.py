@@ -609,17 +609,21 @@ OPT = dict(model_type="opt", vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_h
 
 
 def query_transformer_vlm(family: str, gen: torch.Generator) -> tuple:
-    """BLIP-2 or InstructBLIP with a decoder-only language model (OPT): patch reads the branch
-    the config takes; the language model's whole output is a field of the model's."""
+    """BLIP-2, InstructBLIP or InstructBLIP-Video (2 frames) with a decoder-only language model
+    (OPT): patch reads the branch the config takes; the language model's whole output is a
+    field of the model's."""
+    frames = 2 if family == "InstructBlipVideo" else 1
+    token = "video_token_index" if family == "InstructBlipVideo" else "image_token_index"
     config = getattr(transformers, f"{family}Config")(
-        vision_config=VISION, text_config=OPT, num_query_tokens=4, image_token_index=5,
+        vision_config=VISION, text_config=OPT, num_query_tokens=4, **{token: 5},
         qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, encoder_hidden_size=32, vocab_size=VOCAB))
     inputs = make_batch(gen, "cpu")
-    inputs["input_ids"][:, :4] = 5  # the query tokens' places
-    inputs["labels"][:, :4] = -100
-    inputs["pixel_values"] = torch.randn(BATCH, 3, 28, 28, generator=gen)
-    if family == "InstructBlip":
+    inputs["input_ids"][:, :4 * frames] = 5  # the query tokens' places
+    inputs["labels"][:, :4 * frames] = -100
+    images = torch.randn(BATCH, frames, 3, 28, 28, generator=gen)
+    inputs["pixel_values"] = images if family == "InstructBlipVideo" else images[:, 0]
+    if family != "Blip2":
         inputs["qformer_input_ids"] = torch.randint(6, VOCAB, (BATCH, 6), generator=gen)
     return getattr(transformers, f"{family}ForConditionalGeneration")(config), inputs
 
@@ -670,9 +674,10 @@ def vision_encoder_decoder(gen: torch.Generator) -> tuple:
 
 @pytest.mark.parametrize("build", [
     functools.partial(query_transformer_vlm, "Blip2"),
-    functools.partial(query_transformer_vlm, "InstructBlip"), kosmos2, pix2struct,
-    vision_encoder_decoder], ids=["blip-2", "instructblip", "kosmos-2", "pix2struct",
-                                  "vision-encoder-decoder"])
+    functools.partial(query_transformer_vlm, "InstructBlip"),
+    functools.partial(query_transformer_vlm, "InstructBlipVideo"), kosmos2, pix2struct,
+    vision_encoder_decoder], ids=["blip-2", "instructblip", "instructblipvideo", "kosmos-2",
+                                  "pix2struct", "vision-encoder-decoder"])
 def test_models_with_pixel_inputs_are_exact(build, gen, device):
     torch.manual_seed(0)
     reference, inputs = build(gen)

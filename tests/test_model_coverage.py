@@ -114,6 +114,7 @@ TESTED_WITH_PIXELS = {
                      ("kosmos-2", "Kosmos2ForConditionalGeneration"),
                      ("vision-encoder-decoder", "VisionEncoderDecoderModel")], "pixel_values"),
     ("pix2struct", "Pix2StructForConditionalGeneration"): "flattened_patches",
+    ("instructblipvideo", "InstructBlipVideoForConditionalGeneration"): "video frames",
 }
 NOT_TESTED = {
     ("gemma3n", "Gemma3nForConditionalGeneration"): TIMM,
@@ -127,7 +128,6 @@ NOT_TESTED = {
         "its own forward fails on text alone in transformers 5.24 (`outputs.image_outputs`)",
     ("git", "GitForCausalLM"): "its loss slices off image tokens: needs pixel_values",
     ("pp_formulanet", "PPFormulaNetForConditionalGeneration"): "needs pixel_values",
-    ("instructblipvideo", "InstructBlipVideoForConditionalGeneration"): "needs video frames",
     ("udop", "UdopForConditionalGeneration"): "an encoder-decoder: needs decoder inputs",
     ("xmod", "XmodForCausalLM"): "needs a language chosen (set_default_language)",
     ("musicgen", "MusicgenForCausalLM"): "an audio-codebook decoder",
