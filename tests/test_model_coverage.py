@@ -104,6 +104,7 @@ CONFIG = {
     # One layer of each kind (their configs name the kinds in lists of another length).
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "step3p7": dict(text_config=dict(sliding_window=8)),  # its masks need one, None by default
     # A decoder, its axial positions 3 x 4 = the batch's 12 tokens.
     "reformer": dict(is_decoder=True, axial_pos_shape=[3, 4], axial_pos_embds_dim=[16, 16]),
 }
@@ -188,7 +189,6 @@ NOT_TESTED = {
             "vision_start_token_id",
         ("qwen3_omni_moe_thinker", "Qwen3OmniMoeThinkerForConditionalGeneration"):
             "vision_start_token_id",
-        ("step3p7", "Step3p7ForConditionalGeneration"): "sliding_window",
     }.items()},
 }
 
