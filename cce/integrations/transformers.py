@@ -21,15 +21,14 @@ docs/models.md lists every model type tested: exact, refused (why), or not teste
 With labels, the patched forward runs the model's own forward, in which the output embeddings
 return a stand-in for the logits rather than the logits: it keeps the final hidden states and
 records what the forward multiplies or divides the logits by and its softcap (``tanh``), and
-slices and flattens them as the forward does. Their log-sum-exp over the vocabulary (a z-loss,
-as Bamba's) is the LSE that the cross-entropy's call returned, or one call more if taken before
-it. When the forward takes their cross-entropy
+slices and flattens them as the forward does. When the forward takes their cross-entropy
 (``F.cross_entropy``, which ``self.loss_function``'s ForCausalLMLoss or ForMaskedLMLoss and
 ``nn.CrossEntropyLoss`` call), the stand-in computes it from the hidden states and the head's
 weight (and bias) with :func:`cce.linear_cross_entropy`, with the call's ``ignore_index`` and
-``reduction``: the
-next-token shift (or the caller's ``shift_labels``) and ``num_items_in_batch`` are then the
-model's own (so gradient accumulation equals one big batch where the model's loss does).
+``reduction``: the next-token shift (or the caller's ``shift_labels``) and
+``num_items_in_batch`` are then the model's own (so gradient accumulation equals one big batch
+where the model's loss does). Their log-sum-exp over the vocabulary (a z-loss, as Bamba's) is
+the LSE that the cross-entropy's call returned, or one call more if taken before it.
 Everything else is the model's own forward too: the arguments it passes to its base model
 (pixels too), a mixture of experts' router loss added to the loss (and ``aux_loss``), the
 other fields of its output. Its ``logits`` are None. Without labels (inference, generation) or
@@ -67,8 +66,8 @@ from typing import Any, Callable, Iterator, Literal, Optional, Union
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.utils import ModelOutput
 from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
+from transformers.utils import ModelOutput
 
 import cce
 
@@ -307,9 +306,9 @@ class _ForwardReading:
             raise _Unsupported(f"{self.owner}.forward does not call its output embeddings")
 
     def _dead_branches(self) -> set[ast.AST]:
-        """The nodes of the branches that the module's configuration rules out: ``if
-        self.config.use_decoder_only_language_model:`` (BLIP-2) or ``if self.asm is False:``
-        (XLM), read as the configuration is when the model is patched."""
+        """The nodes of the branches that the module's configuration rules out (BLIP-2's ``if
+        self.config.use_decoder_only_language_model:``), read as the configuration is when the
+        model is patched."""
         dead: set[ast.AST] = set()
         for node in ast.walk(self.function):
             if isinstance(node, ast.If) and node not in dead:
@@ -455,8 +454,8 @@ class _ForwardReading:
                     isinstance(use, ast.Subscript) and ast.unparse(use.slice) == "0"):
                 logits.append(use)
             elif not isinstance(use, (ast.Attribute, ast.Subscript)) and not (
-                    isinstance(use, ast.keyword)
-                    and "Output" in ast.unparse(self.parents[use].func)
+                    (isinstance(use, ast.keyword)
+                     and "Output" in ast.unparse(self.parents[use].func))
                     or self._in_tuple_branch(node)):
                 self._refuse(node)
         return logits
