@@ -61,7 +61,7 @@ import operator
 import textwrap
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Optional, Union
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -240,6 +240,15 @@ def _is_vocabulary_logsumexp(node: ast.expr, parent: Optional[ast.AST],
     return len(dims) == 1 and ast.unparse(dims[0]) == "-1" and not others
 
 
+class _Reading(NamedTuple):
+    """What a forward does with the head's output: ``returns`` it as "logits" (the logits
+    themselves) or "output" (an output whose ``logits`` they are); whether it, or a module
+    within, ``takes_cross_entropy`` of them."""
+
+    returns: str
+    takes_cross_entropy: bool
+
+
 class _ForwardReading:
     """Reads the source of ``module``'s forward: the call of ``head`` (or of a submodule whose
     forward returns what ``head`` returns, as BERT's prediction head, or an output whose
@@ -263,9 +272,6 @@ class _ForwardReading:
         self.parents = {child: node for node in ast.walk(self.function)
                         for child in ast.iter_child_nodes(node)}
         self.dead = self._dead_branches()
-        # Whether the forward, or a module within that returns the logits, takes their
-        # cross-entropy (known once returns() has read it).
-        self.takes_cross_entropy = self.inner_cross_entropy = False
         # Names bound to nn.CrossEntropyLoss(...): loss_fct = CrossEntropyLoss()
         self.cross_entropy_losses = {
             node.targets[0].id for node in ast.walk(self.function)
@@ -273,36 +279,37 @@ class _ForwardReading:
             and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Call)
             and ast.unparse(node.value.func).split(".")[-1] == "CrossEntropyLoss"}
 
-    def returns(self) -> Optional[str]:
-        """What the forward returns of the head's output: "logits" (the logits themselves),
-        "output" (an output whose ``logits`` they are), or None when it does not call the head;
-        raises _Unsupported when it uses them otherwise."""
+    def read(self) -> Optional[_Reading]:
+        """What the forward does with the head's output (:class:`_Reading`), or None when it
+        does not call the head; raises _Unsupported when it uses them otherwise."""
         calls = self._head_calls()
         if not calls:
             return None
         if len(calls) > 1:
             raise _Unsupported(f"{self.owner}.forward calls its output embeddings in "
                                f"{len(calls)} places")
-        ends = self._ends(*calls[0])
+        call, within = calls[0]
+        ends = self._ends(call, within.returns)
         # Where a module within computes the cross-entropy (Kosmos-2's text model, given the
         # labels), the forward may take its loss.
-        self.takes_cross_entropy = bool(ends & {"loss_function", "cross_entropy"})
-        if self.outermost and not (self.takes_cross_entropy or self.inner_cross_entropy):
+        takes_cross_entropy = (bool(ends & {"loss_function", "cross_entropy"})
+                               or within.takes_cross_entropy)
+        if self.outermost and not takes_cross_entropy:
             raise _Unsupported(f"{self.owner}.forward computes no cross-entropy of its logits")
         if "loss_function" in ends and _loss_function(self.module) not in _CROSS_ENTROPY_LOSSES:
             name = getattr(_loss_function(self.module), "__name__", "another")
             raise _Unsupported(f"its loss function is {name}, not transformers' "
                                f"ForCausalLMLoss or ForMaskedLMLoss")
         if "return" in ends:
-            return "logits"
+            return _Reading("logits", takes_cross_entropy)
         if "output" in ends:
-            return "output"
+            return _Reading("output", takes_cross_entropy)
         raise _Unsupported(f"{self.owner}.forward, within, does not return its logits")
 
     def check(self) -> None:
         """Raise _Unsupported unless the forward calls the head once and uses its result only
         as the patched forward reproduces it."""
-        if self.returns() is None:
+        if self.read() is None:
             raise _Unsupported(f"{self.owner}.forward does not call its output embeddings")
 
     def _dead_branches(self) -> set[ast.AST]:
@@ -354,23 +361,20 @@ class _ForwardReading:
                 return _UNKNOWN
         return value if value is None or isinstance(value, (bool, int, float, str)) else _UNKNOWN
 
-    def _head_calls(self) -> list[tuple[ast.Call, str]]:
-        """The calls of the head, or of a submodule that returns its logits, with what they
-        return ("logits" or "output"), outside the branches the configuration rules out."""
+    def _head_calls(self) -> list[tuple[ast.Call, _Reading]]:
+        """The calls of the head, or of a submodule that returns its logits, with what the
+        callee does with them, outside the branches the configuration rules out."""
         calls = []
         for node in ast.walk(self.function):
             if not isinstance(node, ast.Call) or node in self.dead:
                 continue
             callee = self._submodule(node.func)
             if callee is self.head:
-                calls.append((node, "logits"))
+                calls.append((node, _Reading("logits", takes_cross_entropy=False)))
             elif callee is not None and any(module is self.head for module in callee.modules()):
-                within = _ForwardReading(callee, self.head, outermost=False)
-                returns = within.returns()
-                if returns is not None:
-                    calls.append((node, returns))
-                    self.inner_cross_entropy |= (within.takes_cross_entropy
-                                                 or within.inner_cross_entropy)
+                within = _ForwardReading(callee, self.head, outermost=False).read()
+                if within is not None:
+                    calls.append((node, within))
         return calls
 
     def _submodule(self, node: ast.expr) -> Optional[nn.Module]:
@@ -593,15 +597,13 @@ def _forward_with_cce_loss(model: PreTrainedModel, args: tuple, kwargs: dict) ->
 
 
 def _without_logits(output: Any) -> Any:
-    """``output`` (a ModelOutput) without its stand-in logits, and so the outputs within it."""
-    return type(output)(**{
-        key: _without_logits(value) if _holds_stand_in(value) else value
-        for key, value in output.items() if not isinstance(value, _DeferredLogits)})
-
-
-def _holds_stand_in(value: Any) -> bool:
-    return isinstance(value, ModelOutput) and any(
-        isinstance(field, _DeferredLogits) or _holds_stand_in(field) for field in value.values())
+    """``output`` (a ModelOutput) without its stand-in logits, and so the outputs within it;
+    ``output`` itself where it holds none."""
+    fields = {key: _without_logits(value) if isinstance(value, ModelOutput) else value
+              for key, value in output.items() if not isinstance(value, _DeferredLogits)}
+    if fields.keys() == output.keys() and all(fields[key] is output[key] for key in fields):
+        return output
+    return type(output)(**fields)
 
 
 def _with_return_dict(forward: Callable[..., Any], args: tuple,
@@ -643,8 +645,8 @@ class _HeadStandIn(nn.Module):
 
 @dataclass
 class _TakenLSE:
-    """The LSE of every row of the last cross-entropy that a stand-in took: of which hidden
-    states (N, D), after which operations."""
+    """The LSE of every row of a cross-entropy that a stand-in took: of which hidden states
+    (N, D), after which operations."""
 
     hidden_states: torch.Tensor
     operations: tuple
@@ -661,7 +663,7 @@ class _DeferredLogits:
                  operations: tuple = (), taken: Optional[list[_TakenLSE]] = None) -> None:
         self.hidden_states, self.head, self.options = hidden_states, head, options
         self.operations = operations  # ("scale", number) and ("tanh",), in order
-        # Shared by the stand-ins made from one: the LSE their cross-entropy took.
+        # Shared by the stand-ins made from one: the LSEs their cross-entropies took.
         self.taken = [] if taken is None else taken
 
     def __repr__(self) -> str:
@@ -781,16 +783,16 @@ class _DeferredLogits:
             options["label_smoothing"] = label_smoothing
         loss, lse = self._loss_and_lse(target, ignore_index=ignore_index, reduction=reduction,
                                        **options)
-        self.taken[:] = [_TakenLSE(self.hidden_states, self.operations, lse)]
+        self.taken.append(_TakenLSE(self.hidden_states, self.operations, lse))
         return loss
 
     def logsumexp(self, dim: int, keepdim: bool = False) -> torch.Tensor:
-        """``torch.logsumexp(logits, dim=-1)`` (a z-loss, as Bamba's): the LSE that the
-        cross-entropy just taken over the same rows computed, else one more call of cce."""
+        """``torch.logsumexp(logits, dim=-1)`` (a z-loss, as Bamba's): the LSE that the latest
+        cross-entropy taken over the same rows computed, else one more call of cce."""
         if keepdim or dim not in (-1, self.dim() - 1):
             raise _unreproduced_use("log-sum-exp other than over the vocabulary")
         rows = self.hidden_states.shape[:-1]
-        for taken in self.taken:
+        for taken in reversed(self.taken):
             if (_same_rows(taken.hidden_states, self.hidden_states)
                     and _same_operations(taken.operations, self.operations)):
                 return taken.lse.view(rows)
