@@ -257,6 +257,26 @@ def check(impl: str, inputs: Inputs, gen: torch.Generator, reduction: str = "mea
     return result
 
 
+# A parameter's gradient smaller than this part of the whole gradient's norm is measured
+# against that floor instead of its own norm: a key projection's bias has a gradient that is
+# zero in exact arithmetic (softmax ignores a constant added to every score), float32 noise of
+# 1e-12 to 1e-8 of the whole gradient's norm on both sides, whose relative error means nothing.
+GRADIENT_FLOOR = 1e-3
+
+
+def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module,
+                          tolerance: float = 1e-4) -> None:
+    """The same parameters have gradients in both models, each within ``tolerance`` of the
+    reference's (relative to its norm, or to the floor above where that is smaller)."""
+    expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    found = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert found.keys() == expected.keys()
+    floor = GRADIENT_FLOOR * torch.cat([grad.flatten() for grad in expected.values()]).norm()
+    for name, grad in expected.items():
+        error = (found[name] - grad).double().norm() / max(grad.double().norm(), floor)
+        assert error <= tolerance, f"gradient of {name}: relative error {error:.2e}"
+
+
 def real_model_path() -> Path:
     """The Gemma 3 270M GGUF file that ``experiments.real_model`` loads (from its PyPI package
     or ``$CCE_GEMMA3_GGUF``); skips the test, saying what to install, when the file or what

@@ -21,6 +21,7 @@ import cce
 transformers = pytest.importorskip("transformers")
 
 from cce.integrations.transformers import patch, unpatch  # noqa: E402
+from tests.helpers import assert_same_gradients  # noqa: E402
 from tests.reference import relative_error  # noqa: E402
 
 BATCH, SEQ, VOCAB = 2, 16, 320
@@ -95,16 +96,6 @@ def assert_same_training_step(model, reference) -> None:
     for name, expected in watched_gradients(reference).items():
         error = relative_error(watched_gradients(model)[name], expected)
         assert error <= TOLERANCE, f"gradient of {name}: relative error {error:.2e}"
-
-
-def assert_same_gradients(model, reference) -> None:
-    """Every parameter's gradient within 1e-4, one near 0 against 1e-3 of the whole norm (its
-    own norm would be float32 noise there)."""
-    grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
-    floor = 1e-3 * torch.cat([grad.flatten() for grad in grads.values()]).norm()
-    for name, grad in grads.items():
-        error = (model.get_parameter(name).grad - grad).norm() / max(grad.norm(), floor)
-        assert error <= 1e-4, f"gradient of {name}: relative error {error:.2e}"
 
 
 def count_lm_head_calls(model) -> list[int]:

@@ -35,15 +35,11 @@ from transformers.models.auto.modeling_auto import (  # noqa: E402
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from cce.integrations.transformers import patch  # noqa: E402
+from tests.helpers import assert_same_gradients  # noqa: E402
 from tests.reference import relative_error  # noqa: E402
 
 TABLE = Path(__file__).resolve().parent.parent / "docs" / "models.md"
-LOSS_TOLERANCE, GRADIENT_TOLERANCE = 1e-5, 1e-4  # float32
-# A parameter's gradient smaller than this part of the whole gradient's norm is measured
-# against that floor instead of its own norm: a key projection's bias has a gradient that is
-# zero in exact arithmetic (softmax ignores a constant added to every score), float32 noise of
-# 1e-12 to 1e-8 of the whole gradient's norm on both sides, whose relative error means nothing.
-GRADIENT_FLOOR = 1e-3
+LOSS_TOLERANCE, GRADIENT_TOLERANCE = 1e-5, 1e-4  # float32; gradients: assert_same_gradients
 BATCH, SEQ, VOCAB, LAYERS = 2, 12, 256, 2
 # cce's chunked PyTorch path: the kernels' path in Triton's interpreter takes 100 times longer.
 IMPL = "cce_torch"
@@ -324,20 +320,6 @@ def make_batch(gen: torch.Generator, config: Any) -> dict[str, torch.Tensor]:
     return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
-def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: parameter.grad for name, parameter in model.named_parameters()
-            if parameter.grad is not None}
-
-
-def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module) -> None:
-    expected, found = gradients(reference), gradients(model)
-    assert found.keys() == expected.keys()
-    floor = GRADIENT_FLOOR * torch.cat([grad.flatten() for grad in expected.values()]).norm()
-    for name, grad in expected.items():
-        error = (found[name] - grad).double().norm() / max(grad.double().norm(), floor)
-        assert error <= GRADIENT_TOLERANCE, f"gradient of {name}: relative error {error:.2e}"
-
-
 def table_version() -> str:
     """The transformers version docs/models.md was written with."""
     return TABLE.read_text().split(" with transformers ", 1)[1].split(" ", 1)[0]
@@ -394,7 +376,7 @@ def test_patched_model_is_exact(model_type: str, class_name: str, gen: torch.Gen
     if (not getattr(reference.config, "output_router_logits", False)
             and relative_error(expected, expected_mean.loss) <= LOSS_TOLERANCE):
         assert relative_error(loss, expected_mean.loss) <= LOSS_TOLERANCE
-    assert_same_gradients(model, reference)
+    assert_same_gradients(model, reference, GRADIENT_TOLERANCE)
     assert not head_calls, "the patched model computed logits"
 
 
