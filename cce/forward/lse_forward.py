@@ -43,7 +43,7 @@ try:
 except ImportError:  # a Triton without host-side descriptors: rows are gathered instead
     TensorDescriptor = None
 
-from cce.config import (deterministic_head_blocks, forward_vocab_splits,
+from cce.config import (cdiv, deterministic_head_blocks, forward_vocab_splits,
                         interpreting, kernel_configs, tma_copies_rows)
 from cce.logit_tile import (LOG2_E, finish_logits, holds_padding, logit_operands, logit_tile,
                             tile_product_by_descriptor, vocab_block_entries)
@@ -53,6 +53,7 @@ from cce.weighting import entropy_of_parts, first_largest
 ARGMAX_NONE = tl.constexpr(2**31 - 1)  # the index of no candidate yet: any index is smaller
 # The lowest float32: a -inf logit's term in the entropy is 0, and 0 * -inf would be NaN.
 FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
+LN_2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -71,13 +72,17 @@ def log_add_exp(a, b):
 
 @triton.jit
 def lower_bound_of_sum(a, b, DISJOINT: tl.constexpr):
-    """A lower bound of the final LSE from two lower bounds: the LSE of their sum where they add
-    up disjoint sets of entries (the target's logit, and LSEs that leave the target out),
-    else the larger. A tighter bound leaves fewer tiles for the backward to recompute."""
+    """A lower bound of the final LSE from two lower bounds: where they add up disjoint sets of
+    entries (the target's logit, and LSEs that leave the target out), one of the LSE of their
+    sum, ``max(a, b) + log(1 + e^-|a - b|)``, whose convex second term is at least its tangent
+    at 0, ``ln 2 - |a - b| / 2``, and 0: no exp or log, for every row of every tile; else the
+    larger. A tighter bound leaves fewer tiles for the backward to recompute."""
+    larger = tl.maximum(a, b)
     if DISJOINT:
-        return log_add_exp(a, b)
+        # Where a == b the term is ln 2, also for equal infinities (whose difference is NaN).
+        return larger + tl.where(a == b, LN_2, tl.maximum(-0.5 * tl.abs(a - b) + LN_2, 0.0))
     else:
-        return tl.maximum(a, b)
+        return larger
 
 
 @triton.jit
@@ -129,7 +134,7 @@ class ForwardLaunch(NamedTuple):
 
     @property
     def splits(self) -> int:
-        return triton.cdiv(self.last_block - self.first_block, self.blocks_per_program)
+        return cdiv(self.last_block - self.first_block, self.blocks_per_program)
 
 
 class BoundRecord(NamedTuple):
@@ -431,8 +436,8 @@ def leave_out_targets(targets: torch.Tensor, vocab_order: Optional[torch.Tensor]
     LSE: the targets' positions in the order and which of the forward's tiles (for ``dtype``'s
     kernel settings) hold one, both from one launch (:func:`target_positions`)."""
     config = kernel_configs(dtype).lse_forward
-    num_vocab_blocks = triton.cdiv(vocab_size, config.block_vocab)
-    tiles = torch.zeros(triton.cdiv(targets.shape[0], config.block_tokens) * num_vocab_blocks,
+    num_vocab_blocks = cdiv(vocab_size, config.block_vocab)
+    tiles = torch.zeros(cdiv(targets.shape[0], config.block_tokens) * num_vocab_blocks,
                         dtype=torch.int8, device=targets.device)
     positions = target_positions(targets, vocab_order, TileMarks(
         tiles, config.block_tokens, config.block_vocab, num_vocab_blocks))
@@ -449,7 +454,7 @@ def _launches(num_token_blocks: int, num_vocab_blocks: int, device: torch.device
     ranges = [(0, head, 1)] if head else []
     if head < num_vocab_blocks:
         splits = forward_vocab_splits(num_token_blocks, num_vocab_blocks - head, device, record)
-        ranges.append((head, num_vocab_blocks, triton.cdiv(num_vocab_blocks - head, splits)))
+        ranges.append((head, num_vocab_blocks, cdiv(num_vocab_blocks - head, splits)))
     launches, num_splits = [], 0
     for first, last, per_program in ranges:
         launches.append(ForwardLaunch(first, last, per_program, num_splits, 0))
@@ -507,8 +512,8 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     vocab_size = c.shape[0]
     configs = kernel_configs(e.dtype)
     config, live_grid = configs.lse_forward, configs.live_grid
-    num_token_blocks = triton.cdiv(num_tokens, config.block_tokens)
-    num_vocab_blocks = triton.cdiv(vocab_size, config.block_vocab)
+    num_token_blocks = cdiv(num_tokens, config.block_tokens)
+    num_vocab_blocks = cdiv(vocab_size, config.block_vocab)
     record = target_logit is not None
     with_head = deterministic and record  # the head of the order bounds the later programs
     launches = _launches(num_token_blocks, num_vocab_blocks, e.device, record, with_head)
@@ -533,7 +538,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         argmax_value.fill_(float("-inf"))
         argmax_index = torch.full((num_tokens,), ARGMAX_NONE.value, dtype=torch.int32,
                                   device=e.device)
-    tile_bound = (torch.empty((num_token_blocks, triton.cdiv(vocab_size, live_grid.block_vocab)),
+    tile_bound = (torch.empty((num_token_blocks, cdiv(vocab_size, live_grid.block_vocab)),
                               dtype=torch.float32, device=e.device) if record else None)
     e_desc = c_desc = None
     c_by_position = classifier_by_position(e, c, vocab_order, copy_classifier)
