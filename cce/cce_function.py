@@ -16,10 +16,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
-import triton
 
 from cce.backward.run import BackwardRequest, CorrectionInputs, linear_cross_entropy_backward
-from cce.config import check_interpreter_usable, kernel_configs
+from cce.config import cdiv, check_interpreter_usable, kernel_configs
 from cce.backward.gradient_tiles import RecomputeInputs
 from cce.forward.indexed_dot import indexed_dot
 from cce.forward.lse_forward import leave_out_targets, lse_forward
@@ -164,8 +163,8 @@ def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_s
     plan = forward_outputs(filter_eps=filter_eps, vocab_sorting=vocab_sorting, softcap=softcap,
                            label_smoothing=label_smoothing, needs_grad=needs_grad)
     grid = kernel_configs(e.dtype).live_grid  # lse_forward's table: one row per token block
-    bound_shape = ((triton.cdiv(num_tokens, grid.block_tokens),
-                    triton.cdiv(vocab_size, grid.block_vocab)) if plan.records_bounds
+    bound_shape = ((cdiv(num_tokens, grid.block_tokens),
+                    cdiv(vocab_size, grid.block_vocab)) if plan.records_bounds
                    else (0,))
     return (e.new_empty(num_tokens, dtype=torch.float32),
             e.new_empty(num_tokens, dtype=torch.float32),

@@ -216,12 +216,29 @@ def deterministic_head_blocks(num_vocab_blocks: int) -> int:
     return min(1 if interpreting() else _DETERMINISTIC_HEAD_BLOCKS, num_vocab_blocks)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host integers. (``triton.cdiv`` is a constexpr function: each host
+    call costs microseconds, and the backward plans dozens of them while the GPU waits.)"""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of 2 at least ``n`` (0 for 0), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device: torch.device) -> int:
+    """The SMs of a CUDA device (looked up once per device)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def forward_vocab_splits(num_token_blocks: int, num_vocab_blocks: int, device: torch.device,
                          records_bounds: bool) -> int:
     """How many programs share one token block's vocabulary in the forward."""
     if interpreting():
         return min(2, num_vocab_blocks)  # still exercises the cross-program LSE merge
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_count = multiprocessor_count(device)
     wanted = -(-_FORWARD_PROGRAMS_PER_SM * sm_count // num_token_blocks)  # ceiling division
     splits = max(1, min(num_vocab_blocks, wanted))
     if records_bounds:
@@ -241,7 +258,7 @@ def split_count(programs: int, bytes_per_split: int, device: torch.device,
     """How many programs share each output block of a backward product (split-K)."""
     if interpreting():
         return 2 if programs < 4 else 1  # still exercises the partial sums
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_count = multiprocessor_count(device)
     wanted = _PRODUCT_PROGRAMS_PER_SM * sm_count // programs
     return max(1, min(wanted, max(_PARTIAL_SUM_BYTES, room_bytes) // bytes_per_split))
 
@@ -251,7 +268,7 @@ def sm_utilization(programs: int, device: torch.device) -> float:
     per SM at a time (the products hold a whole SM's shared memory)."""
     if interpreting():
         return 1.0
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_count = multiprocessor_count(device)
     return programs / (-(-programs // sm_count) * sm_count)
 
 
@@ -272,7 +289,7 @@ def whole_waves(blocks: int, programs_per_block: int, device: torch.device) -> i
     when there is more than one wave (a last, partial wave runs at a fraction of the GPU)."""
     if interpreting():
         return blocks
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_count = multiprocessor_count(device)
     waves = blocks * programs_per_block // sm_count
     return max(1, waves * sm_count // programs_per_block) if waves else blocks
 

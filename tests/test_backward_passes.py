@@ -73,7 +73,7 @@ def _backwards(plans: "list[BackwardPlan | ClassifierPlan]"
 
 
 def _in_spare(classifier: ClassifierPlan) -> "list[bool]":
-    return [chunk.scratch is None for chunk in classifier.chunks]
+    return [chunk.in_spare for chunk in classifier.chunks]
 
 
 # Left out for CI's time: float32 without a filter, which stores every tile as bfloat16 does;

@@ -35,7 +35,7 @@ import torch
 import triton
 
 from cce.backward.product_arguments import ProductIO, ProductSettings, ProductTiles
-from cce.config import KernelConfig, interpreting, tma_copies_rows
+from cce.config import KernelConfig, cdiv, interpreting, tma_copies_rows
 
 try:
     from triton.experimental import gluon
@@ -229,7 +229,7 @@ def launch(tiles: ProductTiles, io: ProductIO, settings: ProductSettings,
         [config.step_depth, block_out], gl.bfloat16 if e.dtype == torch.bfloat16 else gl.float16)
     e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [config.step_depth, block_out],
                               layout)
-    programs = tiles.num_out_blocks * triton.cdiv(io.dim, block_out)
+    programs = tiles.num_out_blocks * cdiv(io.dim, block_out)
     classifier_product_kernel[(programs,)](
         e_desc, tiles, io,
         CHUNK_SLOTS=chunk_slots, SEGMENTS_PER_PAGE=segments_per_page, BLOCK=block,

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import KernelConfigs
+from cce.config import KernelConfigs, cdiv
 from cce.logit_tile import (LogitOperands, logit_gradient_tile, logit_operands, round_to,
                             vocab_block_entries)
 from cce.backward.tile_lists import TileLists
@@ -229,7 +229,7 @@ def store_gradient_tiles(recompute: RecomputeInputs, store: TileStore,
         return
     tile_lists = store.tile_lists
     tiles = TileChoice(
-        num_vocab_blocks=triton.cdiv(recompute.c.shape[0], grid.block_vocab),
+        num_vocab_blocks=cdiv(recompute.c.shape[0], grid.block_vocab),
         first_token_block=store.token_blocks.start, first_vocab_block=store.vocab_blocks.start,
         chunk_token_blocks=len(store.token_blocks), chunk_vocab_blocks=len(store.vocab_blocks),
         live_tiles=store.live_tiles, slot_map=store.slot_map,

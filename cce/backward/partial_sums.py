@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import interpreting
+from cce.config import cdiv, interpreting
 from cce.logit_tile import round_to
 
 _BLOCK = 1024
@@ -48,6 +48,6 @@ def sum_partials(partial: torch.Tensor, out: torch.Tensor, dot_precision: str) -
     elements = rows * columns
     block = _INTERPRETER_BLOCK if interpreting() else _BLOCK
     if elements:
-        partial_sums_kernel[(triton.cdiv(elements, block),)](
+        partial_sums_kernel[(cdiv(elements, block),)](
             partial, out, splits, elements, partial.stride(0),
             BLOCK=block, DOT_PRECISION=dot_precision)

@@ -27,13 +27,12 @@ from typing import ContextManager, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
-import triton
 
 from cce.backward import classifier_product
 from cce.choices import Seam
 from cce.config import (DEDICATED_SCRATCH_BYTES, SLOT_CHUNK_TOKENS, SPARE_SCRATCH_BYTES,
-                        KernelConfig, KernelConfigs, sm_utilization,
-                        split_count, whole_waves)
+                        KernelConfig, KernelConfigs, cdiv, next_power_of_2,
+                        sm_utilization, split_count, whole_waves)
 from cce.backward.gradient_tiles import RecomputeInputs
 from cce.host_copy import start_host_copy
 from cce.backward.scratch import Scratch, rows_can_hold_segments
@@ -124,24 +123,40 @@ class PassOnePlan(NamedTuple):
 
 
 class ClassifierChunk(NamedTuple):
-    """A chunk of dC's vocabulary blocks: ``scratch``, where its tiles are (None: the spare
-    buffer); ``recomputes``: its tiles are recomputed into its scratch, from slot 0 (False: they
-    are the one pass's, in their slots); ``longest_list``: its recompute's programs per block."""
+    """A chunk of dC's vocabulary blocks: ``in_spare``, its tiles are in the spare buffer;
+    ``recomputes``: its tiles are recomputed into its scratch, from slot 0 (False: they are the
+    one pass's, in their slots); ``longest_list``: its recompute's programs per block."""
 
     vocab_blocks: range
-    scratch: Optional[Scratch]
+    in_spare: bool
     recomputes: bool
     longest_list: int
 
 
 class ClassifierPlan(NamedTuple):
-    """dC in chunks of vocabulary blocks: pass 2, or the end of the one pass."""
+    """dC in chunks of vocabulary blocks: pass 2, or the end of the one pass. Pass 2 stores a
+    chunk's tiles in the rows of dC of later positions (``position_rows``: the row at each
+    position), the one pass's chunks that do not recompute read its ``slots``."""
 
     tile_lists: TileLists  # each vocabulary block's tiles, slots numbered over all blocks
     spare_tiles: int  # the spare buffer's tiles
     chunks: "list[ClassifierChunk]"
     product: ProductSettings
     filters: bool  # its recompute applies the filter (False: pass 1 filtered these tiles)
+    position_rows: Optional[torch.Tensor] = None
+    slots: Optional[Scratch] = None
+
+    def scratch(self, chunk: ClassifierChunk, grad_c: torch.Tensor,
+                block_vocab: int) -> Optional[Scratch]:
+        """Where ``chunk``'s tiles are, None for the spare buffer. A view made as the chunk is
+        launched: made for every chunk before the first launch, the views were host time that
+        the GPU waited for after the host's read (docs/notes/host-work.md)."""
+        if chunk.in_spare:
+            return None
+        if not chunk.recomputes:
+            return self.slots
+        return Scratch.in_rows(grad_c, self.position_rows[chunk.vocab_blocks.stop * block_vocab:],
+                               block_vocab)
 
 
 class OnePassPlan(NamedTuple):
@@ -204,8 +219,8 @@ class _Problem(NamedTuple):
     @property
     def grid_shape(self) -> "tuple[int, int]":
         grid = self.configs.live_grid
-        return (triton.cdiv(self.recompute.e.shape[0], grid.block_tokens),
-                triton.cdiv(self.recompute.c.shape[0], grid.block_vocab))
+        return (cdiv(self.recompute.e.shape[0], grid.block_tokens),
+                cdiv(self.recompute.c.shape[0], grid.block_vocab))
 
     def live_table(self) -> torch.Tensor:
         """The live-tile table, or every tile live when there is none (no filter)."""
@@ -285,12 +300,11 @@ def _pass_two_plan(sizing: PassTwoSizing, listed: ListedTiles) -> ClassifierPlan
     placed = _classifier_chunks(tiles_per_block, grad_c.shape[0], grad_c.shape[1],
                                 grid.block_tokens, grid.block_vocab,
                                 rows_can_hold_segments(grad_c, grid.block_vocab), spare_tiles)
-    chunks = [
-        ClassifierChunk(vocab_blocks, None if in_spare else Scratch.in_rows(
-            grad_c, position_rows[vocab_blocks.stop * grid.block_vocab:], grid.block_vocab),
-            True, _longest_list(tiles_per_block, vocab_blocks))
-        for vocab_blocks, in_spare in placed]
-    return ClassifierPlan(tile_lists, spare_tiles, chunks, sizing.product, sizing.filters)
+    chunks = [ClassifierChunk(vocab_blocks, in_spare, True,
+                              _longest_list(tiles_per_block, vocab_blocks))
+              for vocab_blocks, in_spare in placed]
+    return ClassifierPlan(tile_lists, spare_tiles, chunks, sizing.product, sizing.filters,
+                          position_rows=position_rows)
 
 
 def host_may_sync(device: torch.device) -> bool:
@@ -331,7 +345,7 @@ def _one_pass_may_pay(problem: _Problem, grad_c: torch.Tensor) -> bool:
         return problem.choices.one_pass
     num_token_blocks, num_vocab_blocks = problem.grid_shape
     half_grid_segments = num_token_blocks * num_vocab_blocks * grid.block_tokens // 2
-    programs = num_token_blocks * triton.cdiv(dim, _block_out(problem.configs, dim))
+    programs = num_token_blocks * cdiv(dim, _block_out(problem.configs, dim))
     return (half_grid_segments <= vocab_size * (dim // grid.block_vocab)
             and sm_utilization(programs, grad_c.device) >= _ONE_PASS_MIN_UTILIZATION)
 
@@ -368,10 +382,10 @@ def _one_pass_plan(problem: _Problem, listed: ListedTiles, table: torch.Tensor,
     all_vocab_blocks = range(num_vocab_blocks)
     classifier = ClassifierPlan(
         tile_lists, spare_tiles,
-        [ClassifierChunk(vocab_blocks, None if in_spare else scratch, in_spare,
+        [ClassifierChunk(vocab_blocks, in_spare, in_spare,
                          _longest_list(tiles_per_block, vocab_blocks))
          for vocab_blocks, in_spare in chunks],
-        classifier_product, filters=True)
+        classifier_product, filters=True, slots=scratch)
     return OnePassPlan(table, tile_lists, _longest_list(tiles_per_block, all_vocab_blocks), scratch,
                        embeddings_product, classifier)
 
@@ -503,14 +517,14 @@ def _whole_rows_chunk(problem: _Problem, scratch_segments: int, segment_bytes: i
     device = problem.recompute.e.device
     block_out = _embeddings_block_out(problem, slot_map=False)
     most = whole_waves(min(problem.grid_shape[0], scratch_segments // row_segments),
-                       triton.cdiv(dim, block_out), device)
+                       cdiv(dim, block_out), device)
     if most == 1:
         return most
 
     def utilization(blocks: int) -> float:
         room_bytes = (scratch_segments - blocks * row_segments) * segment_bytes
         splits = _embeddings_splits(problem, blocks, block_out, room_bytes)
-        return sm_utilization(blocks * triton.cdiv(dim, block_out) * splits, device)
+        return sm_utilization(blocks * cdiv(dim, block_out) * splits, device)
 
     return most - 1 if utilization(most - 1) > utilization(most) else most
 
@@ -585,7 +599,7 @@ def _classifier_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
 def _block_out(configs: KernelConfigs, dim: int) -> int:
     """Output columns per program of a product: the configured width, or less for a narrow
     output."""
-    return min(configs.sparse_tile_matmul.block_out, triton.next_power_of_2(dim))
+    return min(configs.sparse_tile_matmul.block_out, next_power_of_2(dim))
 
 
 def _embeddings_block_out(problem: _Problem, slot_map: bool) -> int:
@@ -618,7 +632,7 @@ def _embeddings_splits(problem: _Problem, token_blocks: int, block_out: int,
     if problem.choices.splits is not None:
         return problem.choices.splits
     dim = problem.recompute.e.shape[1]
-    programs = token_blocks * triton.cdiv(dim, block_out)
+    programs = token_blocks * cdiv(dim, block_out)
     rows = token_blocks * problem.configs.live_grid.block_tokens
     return split_count(programs, rows * dim * 4, problem.recompute.e.device, room_bytes)
 

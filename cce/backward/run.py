@@ -134,7 +134,7 @@ def launches(plan: BackwardPlan, recompute: RecomputeInputs
     if classifier is not None:
         spare = None
         for chunk in classifier.chunks:
-            scratch = chunk.scratch
+            scratch = classifier.scratch(chunk, grad_c, grid.block_vocab)
             if scratch is None:
                 spare = spare or Scratch.dedicated(classifier.spare_tiles * grid.block_tokens,
                                                    grid.block_vocab, c.dtype, c.device)

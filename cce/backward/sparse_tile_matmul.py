@@ -39,6 +39,7 @@ from cce.backward.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.logit_tile import round_to, tile_dot, vocab_block_entries
 from cce.backward.partial_sums import sum_partials
 from cce.backward.scratch import Scratch, segment_offsets
+from cce.config import cdiv
 
 
 @triton.jit
@@ -231,7 +232,7 @@ def multiply(product: Product) -> None:
     num_out_blocks = lists.shape[0]
     num_tokens = out.shape[0] if not transposed else operand.shape[0]
     vocab_size = out.shape[0] if transposed else operand.shape[0]
-    programs = num_out_blocks * triton.cdiv(dim, block_out)
+    programs = num_out_blocks * cdiv(dim, block_out)
     rows = num_out_blocks * grid.block_tokens
     partial = None
     if splits > 1:
@@ -243,7 +244,7 @@ def multiply(product: Product) -> None:
             partial = torch.empty((splits, rows, dim), dtype=torch.float32, device=out.device)
     # dE's tiles are addressed by their grid column, of all the grid's.
     chunk_vocab_blocks = (len(product.out_blocks) if transposed
-                          else triton.cdiv(vocab_size, grid.block_vocab))
+                          else cdiv(vocab_size, grid.block_vocab))
     tiles = ProductTiles(scratch=scratch.view, lists=lists, counts=product.counts,
                          list_stride=lists.stride(0), first_slots=product.first_slots,
                          slot_map=product.slot_map, chunk_vocab_blocks=chunk_vocab_blocks,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import dot_precision, split_count
+from cce.config import cdiv, dot_precision, next_power_of_2, split_count
 from cce.backward.partial_sums import sum_partials
 
 _BLOCK_ROWS = 64
@@ -50,13 +50,13 @@ def weighted_sum(matrix: torch.Tensor, weights: Optional[torch.Tensor] = None) -
     """float32 (D,) ``sum_m weights[m] * matrix[m]`` of a (M, D) matrix (any strides);
     ``weights``: float32 (M,), None for all 1."""
     num_rows, dim = matrix.shape
-    block_dim = min(_BLOCK_DIM, triton.next_power_of_2(max(dim, 1)))
-    dim_blocks = triton.cdiv(dim, block_dim)
-    row_blocks = max(1, triton.cdiv(num_rows, _BLOCK_ROWS))
+    block_dim = min(_BLOCK_DIM, next_power_of_2(max(dim, 1)))
+    dim_blocks = cdiv(dim, block_dim)
+    row_blocks = max(1, cdiv(num_rows, _BLOCK_ROWS))
     splits = min(row_blocks, split_count(dim_blocks, dim * 4, matrix.device))
     # Whole blocks of rows per program; every program gets some.
-    rows_per_program = triton.cdiv(row_blocks, splits) * _BLOCK_ROWS
-    splits = triton.cdiv(row_blocks * _BLOCK_ROWS, rows_per_program)
+    rows_per_program = cdiv(row_blocks, splits) * _BLOCK_ROWS
+    splits = cdiv(row_blocks * _BLOCK_ROWS, rows_per_program)
     partial = torch.empty((splits, 1, dim), dtype=torch.float32, device=matrix.device)
     if dim:
         weighted_sum_kernel[(dim_blocks * splits,)](

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import interpreting
+from cce.config import cdiv, interpreting, multiprocessor_count
 
 # 64 x 256 tiles, two programs per SM: 2.1-2.6 TB/s of c on an H100 where narrower tiles or more
 # programs read slower (results/dev/h100_classifier_sums_tuning.json).
@@ -85,11 +85,11 @@ def classifier_sums_by_kernel(c: torch.Tensor,
     else:
         block_rows, block_dim = _BLOCK_ROWS, _BLOCK_DIM
         programs = (_PROGRAMS_PER_SM
-                    * torch.cuda.get_device_properties(c.device).multi_processor_count)
-    slices = triton.cdiv(dim, block_dim)
-    num_blocks = triton.cdiv(num_rows, block_rows)
-    blocks_per_program = triton.cdiv(num_blocks, max(1, min(num_blocks, programs // slices)))
-    chunks = triton.cdiv(num_blocks, blocks_per_program)
+                    * multiprocessor_count(c.device))
+    slices = cdiv(dim, block_dim)
+    num_blocks = cdiv(num_rows, block_rows)
+    blocks_per_program = cdiv(num_blocks, max(1, min(num_blocks, programs // slices)))
+    chunks = cdiv(num_blocks, blocks_per_program)
     dots = (torch.empty((slices, num_rows), dtype=torch.float32, device=c.device)
             if vector is not None else None)
     column_partial = torch.empty((chunks, dim), dtype=torch.float32, device=c.device)

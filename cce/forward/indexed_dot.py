@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import kernel_configs
+from cce.config import cdiv, kernel_configs
 from cce.logit_tile import logit_operands, tanh
 
 
@@ -46,7 +46,7 @@ def indexed_dot(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     """float32 (N,) target logits; 0 (or the softcapped bias-free 0) where targets is -1."""
     out = torch.empty(e.shape[0], dtype=torch.float32, device=e.device)
     config = kernel_configs(e.dtype).indexed_dot
-    grid = (triton.cdiv(e.shape[0], config.block_tokens),)
+    grid = (cdiv(e.shape[0], config.block_tokens),)
     indexed_dot_kernel[grid](
         logit_operands(e, c, bias, None, softcap), targets, out,
         BLOCK_TOKENS=config.block_tokens, BLOCK_DIM=config.block_dim,

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cce.config import cdiv
+
 _BLOCK = 1024
 
 
@@ -67,7 +69,7 @@ def row_outputs(other_lse: torch.Tensor, target_logit: torch.Tensor,
     # Three tensors, not views of one: the custom op's outputs must not alias each other.
     lse, cross_entropy, complement = (torch.empty_like(other_lse) for _ in range(3))
     if num_tokens:
-        row_outputs_kernel[(triton.cdiv(num_tokens, _BLOCK),)](
+        row_outputs_kernel[(cdiv(num_tokens, _BLOCK),)](
             other_lse, target_logit, targets, lse, cross_entropy, complement, num_tokens,
             BLOCK=_BLOCK)
     return lse, cross_entropy, complement

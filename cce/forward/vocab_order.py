@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import kernels_run_on
+from cce.config import cdiv, kernels_run_on
 from cce.forward import classifier_sums
 
 _BLOCK = 1024
@@ -102,9 +102,9 @@ def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor],
         vocab_size = vocab_order.shape[0]
         position_of = torch.empty_like(vocab_order)
         if vocab_size:  # a vocabulary-parallel shard may hold no rows (and no targets)
-            invert_order_kernel[(triton.cdiv(vocab_size, _BLOCK),)](
+            invert_order_kernel[(cdiv(vocab_size, _BLOCK),)](
                 vocab_order, position_of, vocab_size, BLOCK=_BLOCK)
-    target_positions_kernel[(triton.cdiv(num_tokens, _BLOCK),)](
+    target_positions_kernel[(cdiv(num_tokens, _BLOCK),)](
         targets.contiguous(), position_of, positions, marks or TileMarks(None, 1, 1, 0),
         num_tokens, SORTED=vocab_order is not None, BLOCK=_BLOCK)
     return positions
