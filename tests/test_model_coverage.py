@@ -81,6 +81,10 @@ NO_RANDOMNESS = ("dropout", "pdrop", "jitter", "drop_path")
 # Per model type: config entries beyond TINY (sub-configs as dicts), for the model to build
 # tiny and to run the parts the patch must reproduce (its router loss, its logit scale).
 MROPE = {"text_config": {"rope_parameters": {"mrope_section": [2, 1, 1]}}}  # head dim 8
+# Cohere Compass's rotary settings are per layer type, none by default.
+COMPASS_TEXT = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                    rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                     for kind in ("sliding_attention", "full_attention")})
 CONFIG = {
     **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "paddleocr_vl", "glm4v", "glm46v", "glmga",
                      "glm_ocr"), MROPE),
@@ -103,6 +107,31 @@ CONFIG = {
     "step3p7": dict(text_config=dict(sliding_window=8)),  # its masks need one, None by default
     # A decoder, its axial positions 3 x 4 = the batch's 12 tokens.
     "reformer": dict(is_decoder=True, axial_pos_shape=[3, 4], axial_pos_embds_dim=[16, 16]),
+    # Mamba heads of 8 (heads x head dim = the Mamba width), a state and chunk of 16.
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_d_state=16, mamba_chunk_size=16),
+    "zamba2": dict(mamba_headdim=8, mamba_d_state=16, chunk_size=16, attention_head_dim=16,
+                   attention_hidden_size=64, adapter_rank=8,
+                   layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1]),
+    # Two hybrid layers: their shared transformer is tied from the second on.
+    "zamba": dict(attention_head_dim=16, attention_hidden_size=64, mamba_dt_rank=4,
+                  num_hidden_layers=4, layers_block_type=["linear_attention", "hybrid"] * 2),
+    "xlnet": dict(d_head=8),  # d_model / n_head
+    # Sizes and counts their configs leave None or give for many layers.
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                  first_k_dense_replace=1),
+    "gemma3n_text": dict(num_kv_shared_layers=0, layer_types=["sliding_attention",
+                                                              "full_attention"],
+                         hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                         laurel_rank=8, sliding_window=8, activation_sparsity_pattern=[0.0, 0.0]),
+    "zaya": dict(num_experts_per_tok=1),  # the only count it supports
+    **dict.fromkeys(("kimi_linear", "bailing_hybrid"), dict(
+        num_experts_per_token=2, num_expert_group=1, topk_group=1, first_k_dense_replace=1,
+        linear_head_dim=8, linear_num_heads=4, layer_group_size=2,
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"])),
+    "flint": dict(layer_types=["full_attention", "sliding_attention"], mlp_only_layers=[0],
+                  sliding_window=8),
+    "hrm_text": dict(num_layers_per_stack=1, H_cycles=1, L_cycles=1, L_bp_cycles=[1]),
+    "cohere_compass_text": COMPASS_TEXT, "cohere_compass": dict(text_config=COMPASS_TEXT),
 }
 # Per model type: config attributes set after it is built (dotted paths into sub-configs):
 # DBRX's default config does not build in transformers 5.24 without this.
@@ -139,35 +168,21 @@ NOT_TESTED = {
     ("musicgen", "MusicgenForCausalLM"): "an audio-codebook decoder",
     ("musicgen_melody", "MusicgenMelodyForCausalLM"): "an audio-codebook decoder",
     **{row: TINY_FAILS.format(cause) for row, cause in {
-        ("bailing_hybrid", "BailingHybridForCausalLM"): "linear-attention head sizes",
         ("blt", "BltForCausalLM"): "separate encoder, global and decoder configs",
-        ("cohere_compass_text", "CohereCompassForCausalLM"): "KeyError 'full_attention'",
-        ("cohere_compass", "CohereCompassForConditionalGeneration"):
-            "KeyError 'full_attention'",
         ("deepseek_v4", "DeepseekV4ForCausalLM"): "compressed-attention shapes",
         ("dory", "DoryForCausalLM"): "input, recurrent and output layer counts",
-        ("dots1", "Dots1ForCausalLM"): "TypeError at init",
         ("dots3_note", "Dots3NoteForCausalLM"): "per-layer config of 40 layers",
         ("dots3_note_text", "Dots3NoteForCausalLM"): "per-layer config of 40 layers",
         ("dots3_note", "Dots3NoteForConditionalGeneration"): "per-layer config of 40 layers",
         ("emu3", "Emu3ForCausalLM"): "no pad_token_id in its config",
         ("emu3", "Emu3ForConditionalGeneration"): "VQ-VAE config",
-        ("falcon_h1", "FalconH1ForCausalLM"): "Mamba head state sizes",
-        ("flint", "FlintForCausalLM"): "IndexError in the forward",
-        ("gemma3n_text", "Gemma3nForCausalLM"): "cache-sharing layer types",
         ("gemma4_assistant", "Gemma4AssistantForCausalLM"): "hidden_size_per_layer_input",
         ("gemma4_unified_assistant", "Gemma4UnifiedAssistantForCausalLM"):
             "layer types producing and using a cache",
         ("diffusion_gemma", "DiffusionGemmaForBlockDiffusion"): "a size left None",
-        ("hrm_text", "HrmTextForCausalLM"): "IndexError in the forward",
         ("hunyuan_vl", "HunYuanVLForConditionalGeneration"): "rope scaling entries",
-        ("kimi_linear", "KimiLinearForCausalLM"): "top-k of the tiny router",
         ("qwen4_exp_text", "Qwen4ExpForCausalLM"): "head dimension",
         ("qwen4_exp", "Qwen4ExpForConditionalGeneration"): "head dimension",
-        ("xlnet", "XLNetLMHeadModel"): "d_head",
-        ("zamba", "ZambaForCausalLM"): "tied shared-transformer layers",
-        ("zamba2", "Zamba2ForCausalLM"): "Mamba head shapes",
-        ("zaya", "ZayaForCausalLM"): "experts per token",
         ("apertus1p5", "Apertus1p5ForConditionalGeneration"): "audio tokenizer config",
         ("chameleon", "ChameleonForConditionalGeneration"): "VQ config",
         ("cosmos3_edge", "Cosmos3EdgeForConditionalGeneration"): "mrope sections",
