@@ -88,6 +88,13 @@ QWEN4_EXP_TEXT = dict(
     linear_num_key_heads=2, linear_num_value_heads=4, hc_lowrank=8, ple_embed_dim=32,
     ngram_vocab_size_base=VOCAB, split_ngram_parts=2,
     layer_types=["linear_attention", "indexed_attention"])
+# Dots 3 Note's per-layer overrides (its first layer's, for 64 heads) at the tiny sizes, and
+# sliding-attention heads of qk_nope + qk_rope.
+DOTS3_NOTE_TEXT = dict(
+    head_dim=8, num_key_value_heads=4, index_head_dim=8, index_n_heads=2, index_topk=8,
+    sliding_window=8, layer_types=["indexed_attention", "sliding_attention"],
+    mlp_layer_types=["dense", "sparse"], per_layer_config={"01": dict(
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=4)})
 # Cohere Compass's rotary settings are per layer type, none by default.
 COMPASS_TEXT = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8,
                     rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0}
@@ -146,6 +153,17 @@ CONFIG = {
         qk_rope_head_dim=0, qk_nope_head_dim=8, qk_head_dim=8, head_dim=0, index_head_dim=8,
         index_n_heads=2, index_topk=8, index_kpool=4, linear_head_dim=8)),
     "qwen4_exp_text": QWEN4_EXP_TEXT, "qwen4_exp": dict(text_config=QWEN4_EXP_TEXT),
+    "dots3_note_text": DOTS3_NOTE_TEXT,
+    "dots3_note": dict(text_config=DOTS3_NOTE_TEXT,
+                       vision_config=dict(adapter_in_dim=32, adapter_out_dim=32),
+                       audio_config=dict(adapter_input_size=32, adapter_out_dim=32,
+                                         downsample_hidden_size=16, conv_output_size=64)),
+    # One input, recurrent and output layer each (it counts the three).
+    "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1,
+                 n_output_layers=1, sliding_window=8,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                 rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                  for kind in ("sliding_attention", "full_attention")}),
     "diffusion_gemma": dict(text_config=dict(num_experts=4, top_k_experts=2,
                                              moe_intermediate_size=32, sliding_window=8,
                                              layer_types=["sliding_attention",
@@ -177,6 +195,7 @@ NOT_TESTED = {
     ("qwen3_5", "Qwen3_5ForCausalLM"): TEXT_CONFIG.format("qwen3_5_text"),
     ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"): TEXT_CONFIG.format("qwen3_5_moe_text"),
     ("qwen4_exp", "Qwen4ExpForCausalLM"): TEXT_CONFIG.format("qwen4_exp_text"),
+    ("dots3_note", "Dots3NoteForCausalLM"): TEXT_CONFIG.format("dots3_note_text"),
     ("llama4", "Llama4ForConditionalGeneration"):
         "its own forward fails on text alone in transformers 5.24 (`outputs.image_outputs`)",
     ("git", "GitForCausalLM"): "its loss slices off image tokens: needs pixel_values",
@@ -188,10 +207,6 @@ NOT_TESTED = {
     **{row: TINY_FAILS.format(cause) for row, cause in {
         ("blt", "BltForCausalLM"): "separate encoder, global and decoder configs",
         ("deepseek_v4", "DeepseekV4ForCausalLM"): "compressed-attention shapes",
-        ("dory", "DoryForCausalLM"): "input, recurrent and output layer counts",
-        ("dots3_note", "Dots3NoteForCausalLM"): "per-layer config of 40 layers",
-        ("dots3_note_text", "Dots3NoteForCausalLM"): "per-layer config of 40 layers",
-        ("dots3_note", "Dots3NoteForConditionalGeneration"): "per-layer config of 40 layers",
         ("emu3", "Emu3ForCausalLM"): "no pad_token_id in its config",
         ("emu3", "Emu3ForConditionalGeneration"): "VQ-VAE config",
         ("gemma4_assistant", "Gemma4AssistantForCausalLM"): "hidden_size_per_layer_input",
