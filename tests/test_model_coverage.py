@@ -153,6 +153,10 @@ CONFIG = {
         qk_rope_head_dim=0, qk_nope_head_dim=8, qk_head_dim=8, head_dim=0, index_head_dim=8,
         index_n_heads=2, index_topk=8, index_kpool=4, linear_head_dim=8)),
     "qwen4_exp_text": QWEN4_EXP_TEXT, "qwen4_exp": dict(text_config=QWEN4_EXP_TEXT),
+    # Text and vision experts' widths; 3D rotary sections (height, width, time) of head dim 8.
+    "ernie4_5_vl_moe": dict(text_config=dict(moe_intermediate_size=[32, 16],
+                                             moe_num_shared_experts=1,
+                                             rope_parameters=dict(mrope_section=[1, 1, 2]))),
     # Their forward reads a vision_start_token_id their configs do not have.
     "qwen2_5_omni_thinker": dict(vision_start_token_id=VOCAB - 6, **MROPE),
     "qwen3_omni_moe_thinker": dict(vision_start_token_id=VOCAB - 6),
@@ -220,7 +224,6 @@ NOT_TESTED = {
         ("apertus1p5", "Apertus1p5ForConditionalGeneration"): "audio tokenizer config",
         ("chameleon", "ChameleonForConditionalGeneration"): "VQ config",
         ("deepseek_ocr2", "DeepseekOcr2ForConditionalGeneration"): "vision config",
-        ("ernie4_5_vl_moe", "Ernie4_5_VLMoeForConditionalGeneration"): "expert groups",
         ("granite4_vision", "Granite4VisionForConditionalGeneration"): "vision config",
         ("granite_docling", "GraniteDoclingForConditionalGeneration"): "vision output size",
         ("inkling2", "Inkling2ForConditionalGeneration"): "vision output size",
