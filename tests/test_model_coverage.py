@@ -162,6 +162,9 @@ CONFIG = {
     **dict.fromkeys(("inkling2", "inkling2_loop"), dict(vision_config=dict(text_hidden_size=32))),
     "muse_spark": dict(audio_config=dict(out_hidden_size=32),
                        vision_config=dict(out_hidden_size=32)),
+    "deepseek_ocr2": dict(text_config=dict(mlp_layer_types=["dense", "sparse"],
+                                           num_experts_per_tok=2, n_routed_experts=4,
+                                           n_shared_experts=1)),  # None by default
     # Their forward reads a vision_start_token_id their configs do not have.
     "qwen2_5_omni_thinker": dict(vision_start_token_id=VOCAB - 6, **MROPE),
     "qwen3_omni_moe_thinker": dict(vision_start_token_id=VOCAB - 6),
@@ -228,7 +231,6 @@ NOT_TESTED = {
         ("hunyuan_vl", "HunYuanVLForConditionalGeneration"): "rope scaling entries",
         ("apertus1p5", "Apertus1p5ForConditionalGeneration"): "audio tokenizer config",
         ("chameleon", "ChameleonForConditionalGeneration"): "VQ config",
-        ("deepseek_ocr2", "DeepseekOcr2ForConditionalGeneration"): "vision config",
         ("granite4_vision", "Granite4VisionForConditionalGeneration"): "vision config",
     }.items()},
 }
