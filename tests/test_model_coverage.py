@@ -165,6 +165,13 @@ CONFIG = {
     "deepseek_ocr2": dict(text_config=dict(mlp_layer_types=["dense", "sparse"],
                                            num_experts_per_tok=2, n_routed_experts=4,
                                            n_shared_experts=1)),  # None by default
+    # One layer of each attention and expert kind, compressed 2 and 4 times.
+    "deepseek_v4": dict(
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe"],
+        compress_rates=dict(compressed_sparse_attention=2, heavily_compressed_attention=4),
+        head_dim=8, num_key_value_heads=1, q_lora_rank=16, o_groups=2, o_lora_rank=8,
+        index_n_heads=2, index_head_dim=8, index_topk=4, sliding_window=8, hc_mult=2),
     # Their forward reads a vision_start_token_id their configs do not have.
     "qwen2_5_omni_thinker": dict(vision_start_token_id=VOCAB - 6, **MROPE),
     "qwen3_omni_moe_thinker": dict(vision_start_token_id=VOCAB - 6),
@@ -222,7 +229,6 @@ NOT_TESTED = {
     ("molmo2", "Molmo2ForConditionalGeneration"): "needs mm_token_type_ids in training",
     **{row: TINY_FAILS.format(cause) for row, cause in {
         ("blt", "BltForCausalLM"): "separate encoder, global and decoder configs",
-        ("deepseek_v4", "DeepseekV4ForCausalLM"): "compressed-attention shapes",
         ("emu3", "Emu3ForCausalLM"): "no pad_token_id in its config",
         ("emu3", "Emu3ForConditionalGeneration"): "VQ-VAE config",
         ("gemma4_assistant", "Gemma4AssistantForCausalLM"): "hidden_size_per_layer_input",
