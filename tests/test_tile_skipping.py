@@ -15,7 +15,7 @@ import torch
 
 from cce.config import deterministic_head_blocks, kernel_configs
 from cce.forward.indexed_dot import indexed_dot
-from cce.forward.lse_forward import lse_forward
+from cce.forward.lse_forward import leave_out_targets, lse_forward
 from cce.backward.live_tiles import live_tiles
 from cce.forward.vocab_order import TileMarks, target_positions, vocab_order
 from tests.helpers import INTERPRETER_NON_FINITE_WARNINGS, peaked_inputs
@@ -83,10 +83,13 @@ def _per_tile_max(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _forward_with_bounds(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                         order: "torch.Tensor | None" = None, deterministic: bool = False):
-    """(lse, tile_bound) as the loss's forward computes them (target logits first)."""
+                         order: "torch.Tensor | None" = None, deterministic: bool = False,
+                         leaves_out: bool = False):
+    """(lse, tile_bound) as the loss's forward computes them (target logits first); with
+    ``leaves_out``, the LSE of each row's other logits, as the loss asks for it."""
+    left_out = leave_out_targets(targets, order, e.dtype, c.shape[0]) if leaves_out else None
     return lse_forward(e, c, None, None, targets, order, indexed_dot(e, c, targets, None, None),
-                       deterministic=deterministic)
+                       left_out=left_out, deterministic=deterministic)
 
 
 def _rounding(e: torch.Tensor, c: torch.Tensor) -> float:
@@ -112,18 +115,24 @@ def _bound_envelope(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     return _per_tile_max(log_probs, e.dtype), _per_tile_max(above_target, e.dtype)
 
 
+@pytest.mark.parametrize("leaves_out", [False, True], ids=["whole", "target_left_out"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_forward_records_sound_log_probability_bounds(deterministic: bool, gen: torch.Generator,
-                                                      device: str) -> None:
+def test_forward_records_sound_log_probability_bounds(deterministic: bool, leaves_out: bool,
+                                                      gen: torch.Generator, device: str) -> None:
     """tile_bound[i, j] bounds the log-probability of every entry of tile (i, j) of the live
     grid on a non-ignored row (vocabulary sorted), is never above 0, and is at least as tight
     as the target logits alone make it for that tile (not only for the wider forward tile that
-    holds it)."""
+    holds it). Also where the LSE leaves the target out, and the lower bound of a row's LSE
+    adds up the target's logit and the other logits' LSE."""
     e, c, targets = peaked_inputs(gen, device, N, V, D)
     order = vocab_order(e, c, None, targets)
-    lse, tile_bound = _forward_with_bounds(e, c, targets, order, deterministic)
-    exact_lse = torch.logsumexp(e.double() @ c.double().T, dim=1)
-    torch.testing.assert_close(lse.double(), exact_lse, rtol=1e-6, atol=1e-6)
+    lse, tile_bound = _forward_with_bounds(e, c, targets, order, deterministic, leaves_out)
+    logits = e.double() @ c.double().T
+    if leaves_out:
+        rows = torch.nonzero(targets >= 0).squeeze(1)
+        logits[rows, targets[rows]] = -math.inf
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits, dim=1), rtol=1e-6,
+                               atol=1e-6)
 
     lowest, highest = _bound_envelope(e, c, targets, order)
     bound = tile_bound.double()
