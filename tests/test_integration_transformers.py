@@ -663,12 +663,28 @@ def vision_encoder_decoder(gen: torch.Generator) -> tuple:
     return transformers.VisionEncoderDecoderModel(config), inputs
 
 
+def idefics(gen: torch.Generator) -> tuple:
+    """Idefics: its output embeddings are an IdeficsDecoupledLinear (with no extra tokens, a
+    linear map); gated cross-attention to one image per row."""
+    config = transformers.IdeficsConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, cross_layer_interval=1, initializer_range=0.2,
+        alpha_initializer="ones", vision_config=dict(**VISION, embed_dim=32),
+        perceiver_config=dict(use_resampler=False))
+    inputs = make_batch(gen, "cpu")
+    inputs["pixel_values"] = torch.randn(BATCH, 1, 3, 28, 28, generator=gen)
+    inputs["image_attention_mask"] = torch.ones(BATCH, inputs["input_ids"].shape[1], 1,
+                                                dtype=torch.long)
+    return transformers.IdeficsForVisionText2Text(config), inputs
+
+
 @pytest.mark.parametrize("build", [
     functools.partial(query_transformer_vlm, "Blip2"),
     functools.partial(query_transformer_vlm, "InstructBlip"),
     functools.partial(query_transformer_vlm, "InstructBlipVideo"), kosmos2, pix2struct,
-    vision_encoder_decoder], ids=["blip-2", "instructblip", "instructblipvideo", "kosmos-2",
-                                  "pix2struct", "vision-encoder-decoder"])
+    vision_encoder_decoder, idefics], ids=["blip-2", "instructblip", "instructblipvideo",
+                                           "kosmos-2", "pix2struct", "vision-encoder-decoder",
+                                           "idefics"])
 def test_models_with_pixel_inputs_are_exact(build, gen, device):
     torch.manual_seed(0)
     reference, inputs = build(gen)

@@ -180,7 +180,8 @@ CONFIG = {
                        vision_config=dict(adapter_in_dim=32, adapter_out_dim=32),
                        audio_config=dict(adapter_input_size=32, adapter_out_dim=32,
                                          downsample_hidden_size=16, conv_output_size=64)),
-    # One input, recurrent and output layer each (it counts the three).
+    # One input, recurrent and output layer each (it counts the three); its head scales each
+    # class's logit by a learnt factor.
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1,
                  n_output_layers=1, sliding_window=8,
                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
@@ -208,6 +209,7 @@ TESTED_WITH_PIXELS = {
                      ("vision-encoder-decoder", "VisionEncoderDecoderModel")], "pixel_values"),
     ("pix2struct", "Pix2StructForConditionalGeneration"): "flattened_patches",
     ("instructblipvideo", "InstructBlipVideoForConditionalGeneration"): "video frames",
+    ("idefics", "IdeficsForVisionText2Text"): "pixel_values",
 }
 NOT_TESTED = {
     ("gemma3n", "Gemma3nForConditionalGeneration"): TIMM,

@@ -40,7 +40,9 @@ configuration, the one it takes when patched, as BLIP-2's decoder-only language 
 refuses, with a ``ValueError`` that says why, a model whose loss the patched forward would not
 reproduce: its logits put to any other use (a module that does more than scale and cap them,
 ...), a loss that is no cross-entropy of them or a loss function other than ForCausalLMLoss and
-ForMaskedLMLoss, output embeddings that are not an ``nn.Linear``. With PEFT, patch the wrapped
+ForMaskedLMLoss, output embeddings that are no linear map cce reads (an ``nn.Linear``; Idefics'
+decoupled head without extra tokens; Dory's head, whose learnt per-class logit scale multiplies
+the weight's rows at each call). With PEFT, patch the wrapped
 model: ``patch(peft_model.get_base_model())``. While a patched forward runs, the stand-in takes
 the output embeddings' place in their parent module: a patched model runs one forward at a
 time (as a model in training does).
@@ -187,12 +189,56 @@ def _supported_head_path(model: nn.Module) -> str:
     if head is None:
         raise _Unsupported("it has no output embeddings (get_output_embeddings() is None): it "
                            "is not a language model")
-    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+    if _classifier_of(head) is None:
         raise _Unsupported(f"its output embeddings are a {type(head).__name__}, not an "
                            f"nn.Linear whose weight is the classifier")
     _ForwardReading(model, head, outermost=True).check()
     return next(path for path, module in model.named_modules(remove_duplicate=False)
                 if module is head)
+
+
+_Classifier = Callable[[nn.Module], "tuple[torch.Tensor, Optional[torch.Tensor]]"]
+
+
+def _classifier_of(head: nn.Module) -> Optional[_Classifier]:
+    """How to read the weight (V, D) and bias (V,) whose linear map is ``head``'s forward, or
+    None for a head that is no linear map cce knows: an ``nn.Linear``'s own, or one of
+    :data:`_LINEAR_HEADS`."""
+    if isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward:
+        return _linear_classifier
+    # By the first class of its own or a base's (FSDP2 makes a subclass of a module it shards).
+    known = next((_LINEAR_HEADS[cls.__name__] for cls in type(head).__mro__
+                  if cls.__name__ in _LINEAR_HEADS), None)
+    return known[1] if known is not None and known[0](head) else None
+
+
+def _linear_classifier(head: nn.Module) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
+    return head.weight, head.bias
+
+
+def _class_scaled_classifier(head: nn.Module) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
+    """Dory's head: each class's logit times a learnt scale (in float32), as the rows of the
+    weight times it."""
+    scale = head.logit_scale.float() * head.logit_scale_factor
+    return (head.weight.float() * scale[:, None]).to(head.weight.dtype), None
+
+
+# Output embeddings whose forward is a linear map of another form, by class name: a check of
+# their structure, and how to read their weight and bias (Dory's: made at each loss call, a
+# tensor the size of the weight, through which the gradients reach the head's parameters).
+_LINEAR_HEADS: dict[str, tuple[Callable[[nn.Module], bool], _Classifier]] = {
+    # Idefics' head without extra tokens (with them, the model's own loss fails: its logits
+    # are wider than the vocabulary it views them with).
+    "IdeficsDecoupledLinear": (
+        lambda head: isinstance(head, nn.Linear)
+        and getattr(head, "out_additional_features", None) == 0,
+        _linear_classifier),
+    "DoryLMHead": (
+        lambda head: isinstance(head, nn.Linear) and head.bias is None and isinstance(
+            getattr(head, "logit_scale", None), torch.Tensor) and isinstance(
+            getattr(head, "logit_scale_factor", None), (int, float)),
+        _class_scaled_classifier),
+}
 
 
 def _loss_function(model: nn.Module) -> Callable[..., Any]:
@@ -906,7 +952,7 @@ def _cross_entropy(
 ) -> Any:
     """``F.cross_entropy(softcap(scale * head(hidden_states)), targets, ...)`` by cce, without
     the logits (with ``return_lse=True``, and every row's LSE)."""
-    weight, bias = head.weight, head.bias
+    weight, bias = _classifier_of(head)(head)
     device_type = weight.device.type
     # Under autocast, the head would multiply in the autocast dtype; cce needs one dtype anyway.
     if torch.is_autocast_enabled(device_type):
