@@ -239,10 +239,10 @@ def forward_vocab_splits(num_token_blocks: int, num_vocab_blocks: int, device: t
     if interpreting():
         return min(2, num_vocab_blocks)  # still exercises the cross-program LSE merge
     sm_count = multiprocessor_count(device)
-    wanted = -(-_FORWARD_PROGRAMS_PER_SM * sm_count // num_token_blocks)  # ceiling division
+    wanted = cdiv(_FORWARD_PROGRAMS_PER_SM * sm_count, num_token_blocks)
     splits = max(1, min(num_vocab_blocks, wanted))
     if records_bounds:
-        splits = min(splits, -(-num_vocab_blocks // _MIN_BLOCKS_PER_RECORDING_PROGRAM))
+        splits = min(splits, cdiv(num_vocab_blocks, _MIN_BLOCKS_PER_RECORDING_PROGRAM))
     return splits
 
 
@@ -269,7 +269,7 @@ def sm_utilization(programs: int, device: torch.device) -> float:
     if interpreting():
         return 1.0
     sm_count = multiprocessor_count(device)
-    return programs / (-(-programs // sm_count) * sm_count)
+    return programs / (cdiv(programs, sm_count) * sm_count)
 
 
 # Pass 2 of the backward stores its chunks in the free rows of dC; once fewer rows are free

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from cce.reference.baselines import materialized_logits
 from cce.autograd import differentiable_once, needs_gradient, tokenless_loss
-from cce.config import check_interpreter_usable, kernels_take
+from cce.config import cdiv, check_interpreter_usable, kernels_take
 from cce.options import LossOptions, VocabParallelOptions
 from cce.weighting import (EntropyTerm, GradientScales, TokenOutputs, argmax_or_none,
                            entropy_and_gradient_terms, entropy_of_parts, lse_and_cross_entropy,
@@ -99,7 +99,7 @@ def local_tensors(e, c, targets, bias, vocab_parallel: Optional[VocabParallelOpt
     # Shard(0) splits as torch.chunk does: ceil(V / ranks) rows each, the last ones fewer or
     # none (check_shards verifies the ranges on every rank).
     vocab_size, ranks = c.shape[0], mesh.size()
-    start = min(mesh.get_local_rank() * -(-vocab_size // ranks), vocab_size)
+    start = min(mesh.get_local_rank() * cdiv(vocab_size, ranks), vocab_size)
     shard = VocabParallelOptions(start, start + c_local.shape[0], mesh.get_group())
     return e_local, c_local, targets_local, bias_local, shard
 

@@ -406,7 +406,7 @@ def _one_pass_chunks(tiles_per_block: np.ndarray, vocab_size: int, dim: int,
     segments_per_row = dim // block_vocab
     num_blocks = len(tiles_per_block)
     tiles_before = _tiles_before(tiles_per_block)
-    slot_rows = -(-int(tiles_before[-1]) * block_tokens // segments_per_row)
+    slot_rows = cdiv(int(tiles_before[-1]) * block_tokens, segments_per_row)
     first_position = vocab_size - slot_rows
     if first_position < 0:
         return None
