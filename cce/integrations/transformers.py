@@ -107,10 +107,11 @@ def patch(
 
     Args:
         model: a transformers model whose forward computes its logits with its output
-            embeddings (an ``nn.Linear``), at most scales and softcaps them, and takes their
-            cross-entropy (``self.loss_function``'s ForCausalLMLoss or ForMaskedLMLoss, or
-            ``F.cross_entropy``): ``*ForCausalLM``, ``*LMHeadModel``,
-            ``*ForConditionalGeneration`` (docs/models.md lists those tested).
+            embeddings (an ``nn.Linear``, or a head read as one: module docstring), at most
+            scales and softcaps them, and takes their cross-entropy (``self.loss_function``'s
+            ForCausalLMLoss or ForMaskedLMLoss, or ``F.cross_entropy``): ``*ForCausalLM``,
+            ``*LMHeadModel``, ``*ForConditionalGeneration`` (docs/models.md lists those
+            tested).
         impl, filter_eps, vocab_sorting, filter_correction, weight, label_smoothing, memory: as
             in :func:`cce.linear_cross_entropy` (``weight`` on the device of the output
             embeddings; ``memory="fast"`` spends memory for speed, e.g. on Phi 3's 32k vocabulary).
