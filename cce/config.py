@@ -49,7 +49,9 @@ class KernelConfigs:
     # How tl.dot multiplies the inputs (:func:`dot_precision`); :func:`kernel_configs` sets it.
     dot_precision: str = "tf32"
     # The dense path's pass over a row of float32 logits (cce.dense.softmax_gradient).
-    dense_rows: KernelConfig = KernelConfig(block_vocab=1024, num_warps=4)
+    dense_rows: KernelConfig = KernelConfig(block_vocab=2048, num_warps=4)
+    # Its tiles of G^T where G is kept in dC's memory (cce.dense.softmax_gradient).
+    dense_tiles: KernelConfig = KernelConfig(block_tokens=64, block_vocab=128, num_warps=8)
 
     def __post_init__(self):
         grid = self.live_grid
@@ -129,6 +131,9 @@ _MIN_BLOCKS_PER_RECORDING_PROGRAM = 8
 
 # The dense path's float32 logits are computed this many bytes at a time (whole rows).
 _DENSE_SCRATCH_BYTES = 256 * 2**20
+# Where the dense path keeps G in dC's memory, the last rows of G^T are copied out from this size
+# down, rather than written over in ever smaller segments (cce.dense.loss).
+DENSE_IN_PLACE_TAIL_BYTES = 8 * 2**20
 # memory="fast" takes the dense path up to this vocabulary size: above it enough tiles are
 # negligible for the filtering backward with kept tiles to be faster (docs/notes/backward.md,
 # "The dense path").

@@ -44,7 +44,7 @@ def kernels_or_chunked_torch(e: torch.Tensor, c: torch.Tensor, targets: torch.Te
         from cce.cce_function import cce_loss
         from cce.dense.loss import dense_loss, dense_takes
 
-        if dense_takes(c.shape[0], weighting, options):
+        if dense_takes(e, c, weighting, options):
             return dense_loss(e, c, targets, bias, weighting, options)
         return cce_loss(e, c, targets, bias, weighting, options)
     return chunked_torch_loss(e, c, targets, bias, weighting, options)

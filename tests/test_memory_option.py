@@ -1,8 +1,10 @@
 """Specification of the ``memory`` option: "low" (default) keeps the peak at a few MB above the
-inputs and gradients; "fast" spends memory for speed. On a vocabulary of at most 65,536, without
-softcap, label smoothing, entropy or argmax, "fast" takes the dense path (the gradient of the
-logits kept from the forward, three GEMMs); otherwise it keeps the backward's live tiles. Both
-compute the same loss, lse and gradients as the default, to the float64 reference's tolerances.
+inputs and gradients; "fast" spends memory for speed. Without softcap, label smoothing, entropy
+or argmax, "fast" takes the dense path (the gradient of the logits kept from the forward, three
+GEMMs) on a vocabulary of at most 65,536, and on larger ones at N <= D / 2 with 16-bit inputs
+and ``c`` trained, where that gradient is kept in dC's own memory; otherwise it keeps the
+backward's live tiles. All compute the same loss, lse and gradients as the default, to the
+float64 reference's tolerances.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ def test_fast_takes_the_dense_path_where_it_applies(options: dict, dense: bool, 
 def test_fast_above_the_dense_vocabulary_keeps_tiles(device: str, gen: torch.Generator,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Above ``cce.config.DENSE_MAX_VOCAB`` (lowered here below the test's vocabulary: a real one
-    would take the interpreter minutes), "fast" is ``keep_tiles=True``."""
-    inputs = make_inputs(gen, device, torch.bfloat16, shape=(2, 9))
+    would take the interpreter minutes), with more than D / 2 tokens, "fast" is
+    ``keep_tiles=True``."""
+    inputs = make_inputs(gen, device, torch.bfloat16, shape=(2, 19))
     monkeypatch.setattr("cce.dense.loss.DENSE_MAX_VOCAB", inputs.c.shape[0] - 1)
     grad_output = make_grad_output(gen, inputs, "mean")
     e = inputs.e.detach().requires_grad_()
@@ -68,12 +71,21 @@ def test_fast_above_the_dense_vocabulary_keeps_tiles(device: str, gen: torch.Gen
         assert torch.equal(getattr(fast, name), getattr(kept, name)), name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fast_confident_rows_are_as_accurate_as_pytorch(dtype: torch.dtype, device: str,
-                                                        gen: torch.Generator) -> None:
+@pytest.mark.parametrize("dtype, small_batch", [(torch.float32, False), (torch.bfloat16, False),
+                                                (torch.bfloat16, True)],
+                         ids=["fp32", "bf16", "bf16-in-grad_c"])
+def test_fast_confident_rows_are_as_accurate_as_pytorch(
+        dtype: torch.dtype, small_batch: bool, device: str, gen: torch.Generator,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Where 1 - p_target is 1e-6, the dense path's loss and gradients come from the LSE of the
-    non-target logits, as the tile path's: no worse than PyTorch's on logits in e's dtype."""
-    num_tokens, vocab, dim = (2048, 50000, 256) if device == "cuda" else (64, 700, 64)
+    non-target logits, as the tile path's: no worse than PyTorch's on logits in e's dtype;
+    also with G kept in dC's memory (N <= D / 2, above the dense vocabulary, lowered on CPU)."""
+    if small_batch:
+        num_tokens, vocab, dim = (96, 70000, 256) if device == "cuda" else (24, 700, 64)
+        if device != "cuda":
+            monkeypatch.setattr("cce.dense.loss.DENSE_MAX_VOCAB", 1)
+    else:
+        num_tokens, vocab, dim = (2048, 50000, 256) if device == "cuda" else (64, 700, 64)
     e, c, targets = confident_inputs(gen, device, dtype, num_tokens, vocab, dim, 1e-6)
     inputs = Inputs(e, c, targets)
     grad_output = make_grad_output(gen, inputs, "none")
@@ -137,6 +149,44 @@ def test_fast_vmap_of_grad_gives_per_sample_gradients(device: str,
         assert relative_error(grad_c[sample], expected[1]) <= 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("reduction, lse_gradient", [("mean", False), ("none", True)])
+@pytest.mark.parametrize("tail_bytes", [8 << 20, 0], ids=["tail-copied", "in-place-to-the-end"])
+def test_fast_at_small_batches_keeps_the_gradient_in_grad_c(
+        dtype: torch.dtype, reduction: str, lse_gradient: bool, tail_bytes: int, device: str,
+        gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At N <= D / 2 the dense path takes any vocabulary (the limit is lowered below the test's
+    here) and keeps G^T in dC's buffer; dC written over it segment by segment, down to the last
+    row with ``tail_bytes`` 0, is the reference's, with a bias, class weights, z_loss and an
+    upstream gradient on the lse."""
+    monkeypatch.setattr("cce.dense.loss.DENSE_MAX_VOCAB", 1)
+    monkeypatch.setattr("cce.dense.loss.DENSE_IN_PLACE_TAIL_BYTES", tail_bytes)
+    kept_transposed = []
+    write = cce.dense.loss.transposed_gradient
+    monkeypatch.setattr("cce.dense.loss.transposed_gradient",
+                        lambda *args: kept_transposed.append(args[-1].shape) or write(*args))
+    inputs = make_inputs(gen, device, dtype, bias=True, shape=(2, 9), dim=40)
+    weight = torch.rand(inputs.c.shape[0], generator=gen).to(device)
+    check("cce", inputs, gen, reduction=reduction, lse_gradient=lse_gradient, memory="fast",
+          weight=weight, z_loss=1e-3)
+    # (D - N) / 2 = 11 tokens' float32 logits at a time in the buffer's head: two chunks
+    assert kept_transposed == [(inputs.c.shape[0], 11), (inputs.c.shape[0], 7)]
+
+
+def test_fast_at_small_batches_backward_twice_raises(device: str, gen: torch.Generator,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward writes dC over the kept gradient: a second one through the same graph
+    raises, whatever retain_graph said."""
+    monkeypatch.setattr("cce.dense.loss.DENSE_MAX_VOCAB", 1)
+    inputs = make_inputs(gen, device, torch.bfloat16, shape=(2, 9), dim=40)
+    c = inputs.c.detach().requires_grad_()
+    loss = cce.linear_cross_entropy(inputs.e, c, inputs.targets, memory="fast")
+    assert takes_dense_path(loss)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
 def test_memory_must_be_low_or_fast() -> None:
     e, c, targets = torch.randn(4, 8), torch.randn(16, 8), torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="memory must be one of"):
@@ -144,18 +194,36 @@ def test_memory_must_be_low_or_fast() -> None:
 
 
 def test_dense_ops_pass_torch_library_opcheck(device: str, gen: torch.Generator) -> None:
-    """torch.library.opcheck of the dense path's two custom ops: schemas, fake implementations
-    against the real ones, autograd registration and tracing by AOTAutograd (torch.compile)."""
-    from cce.dense.loss import dense_backward, dense_forward
+    """torch.library.opcheck of the dense path's custom ops, G kept as (N, V) and in dC's memory:
+    schemas, fake implementations against the real ones, autograd registration and tracing by
+    AOTAutograd (torch.compile)."""
+    from cce.dense.loss import dense_backward, dense_backward_in_grad_c, dense_forward
 
     inputs = make_inputs(gen, device, torch.float32, bias=True, ignored_fraction=0.2)
     targets = torch.where(inputs.targets >= 0, inputs.targets, -1)
     e, c, bias = (x.detach().requires_grad_() for x in (inputs.e, inputs.c, inputs.bias))
     weight = torch.rand(c.shape[0], generator=gen).to(device)
-    forward_args = (e, c, bias, targets, weight, True)
+    forward_args = (e, c, bias, targets, weight, True, False)
     torch.library.opcheck(dense_forward, forward_args, rtol=1e-4, atol=1e-5)
     _, _, gradient = dense_forward(*forward_args)
     grad_loss = make_grad_output(gen, inputs, "none")
     backward_args = (inputs.e, inputs.c, inputs.bias, targets, weight, gradient, grad_loss,
                      torch.randn_like(grad_loss), True, True)
     torch.library.opcheck(dense_backward, backward_args, rtol=1e-4, atol=1e-5)
+
+    inputs = make_inputs(gen, device, torch.bfloat16, bias=True, shape=(2, 9), dim=40)
+    targets = inputs.targets.reshape(-1)
+    targets = torch.where(targets >= 0, targets, -1)
+    e = inputs.e.reshape(-1, 40).detach().requires_grad_()
+    c = inputs.c.detach().requires_grad_()
+    forward_args = (e, c, inputs.bias, targets, weight, True, True)
+    # Not traced by AOTAutograd: the path is not taken under torch.compile (its backward writes
+    # over what the forward saved).
+    torch.library.opcheck(dense_forward, forward_args, rtol=1e-2, atol=1e-3,
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor"))
+    _, _, buffer = dense_forward(*forward_args)
+    grad_loss = torch.rand(targets.shape, generator=gen).to(device)
+    backward_args = (e.detach(), c.detach(), inputs.bias, targets, weight, buffer, grad_loss,
+                     torch.randn_like(grad_loss), True)
+    torch.library.opcheck(dense_backward_in_grad_c, backward_args, rtol=1e-2, atol=1e-3)

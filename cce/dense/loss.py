@@ -1,4 +1,5 @@
-"""The dense path as two custom ops, ``cce::dense_forward`` and ``cce::dense_backward``.
+"""The dense path as custom ops, ``cce::dense_forward`` and ``cce::dense_backward`` (or
+``cce::dense_backward_in_grad_c``).
 
 Forward, chunk by chunk of tokens: the chunk's float32 logits by cuBLAS (scratch of a bounded
 size, :func:`cce.config.dense_chunk_tokens`), then one pass (:mod:`cce.dense.softmax_gradient`)
@@ -11,6 +12,21 @@ r_i = a_i - b_i (= g_i) at rows with a target:
 
 Three logit-sized GEMMs in all, as ``F.cross_entropy(e @ c.T)`` takes. The path takes the
 options whose gradient is that (no softcap, label smoothing or entropy: :func:`dense_takes`).
+
+**G in dC's memory.** Where N <= D / 2 (16-bit e and c of one dtype, dC wanted), G fits in the
+memory dC will take. Above :data:`cce.config.DENSE_MAX_VOCAB`, where G kept apart would be
+large, the forward allocates dC's buffer and keeps ``G^T`` (V x N) at its tail;
+its float32 logits, ``(D - N) / 2`` tokens at a time, use the buffer's head as scratch. The
+backward takes dE first, then writes dC over the buffer in segments of increasing vocabulary
+rows, each ending where the first G^T row it reads begins:
+
+    rows [s, t) of dC fill elements [s D, t D);  row u of G^T starts at V (D - N) + u N;
+    t = V - ceil((V - s) N / D)  keeps t D <= V (D - N) + s N,
+
+so no segment overwrites a row of G^T not yet read; the rows left shrink by N / D per segment,
+and the last few MB are copied out first. No memory beyond dE + dC for any vocabulary (the
+buffer is held from the forward, as the copy of ``c`` is, :mod:`cce.forward.plan`), but the
+backward consumes G: a second backward through the same graph raises.
 """
 
 from __future__ import annotations
@@ -21,61 +37,154 @@ import torch
 
 from cce.autograd import (differentiable_once, needs_gradient, tokenless_loss,
                           vmap_sample_by_sample, without_autocast)
-from cce.config import DENSE_MAX_VOCAB, check_interpreter_usable, dense_chunk_tokens
-from cce.dense.softmax_gradient import softmax_gradient
+from cce.config import (DENSE_IN_PLACE_TAIL_BYTES, DENSE_MAX_VOCAB, cdiv,
+                        check_interpreter_usable, dense_chunk_tokens)
+from cce.dense.softmax_gradient import softmax_gradient, transposed_gradient
 from cce.weighting import LossWeighting, TokenOutputs, lse_and_cross_entropy
 
 if TYPE_CHECKING:
     from cce.options import LossOptions
 
 
-def dense_takes(vocab_size: int, weighting: LossWeighting, options: LossOptions) -> bool:
-    """Whether the dense path computes this call: memory "fast", a vocabulary where most tiles
-    are live (:data:`cce.config.DENSE_MAX_VOCAB`), and options whose logit gradient is a scaled
-    ``softmax - onehot`` (no softcap or label smoothing, no entropy or argmax asked for)."""
-    return (options.memory == "fast" and vocab_size <= DENSE_MAX_VOCAB
-            and options.softcap is None and not weighting.label_smoothing
-            and not options.return_entropy and not options.return_argmax)
+def dense_takes(e: torch.Tensor, c: torch.Tensor, weighting: LossWeighting,
+                options: LossOptions) -> bool:
+    """Whether the dense path computes this call: memory "fast", options whose logit gradient is
+    a scaled ``softmax - onehot`` (no softcap or label smoothing, no entropy or argmax asked
+    for), and either G in dC's memory (:func:`keeps_gradient_in_grad_c`) or a vocabulary where
+    most tiles are live (:data:`cce.config.DENSE_MAX_VOCAB`)."""
+    return (options.memory == "fast" and options.softcap is None
+            and not weighting.label_smoothing and not options.return_entropy
+            and not options.return_argmax
+            and (c.shape[0] <= DENSE_MAX_VOCAB or keeps_gradient_in_grad_c(e, c)))
 
 
-def _float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in float32 from inputs of any kernel dtype: cuBLAS's float32 output on a GPU."""
-    if a.is_cuda and a.dtype != torch.float32:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+def keeps_gradient_in_grad_c(e: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether the dense path keeps G^T in dC's buffer: above :data:`DENSE_MAX_VOCAB` (below,
+    G kept apart is small and its backward a few passes shorter), at most D / 2 tokens, 16-bit
+    ``e`` and ``c`` of one dtype, ``c`` trained, no torch.func transform (whose per-sample
+    calls would each hold a buffer of dC's size) and no torch.compile (whose partitioner does
+    not take a backward that writes over a tensor saved by the forward)."""
+    num_tokens, dim = e.shape
+    return (c.shape[0] > DENSE_MAX_VOCAB and 0 < 2 * num_tokens <= dim and e.dtype == c.dtype
+            and e.dtype in (torch.bfloat16, torch.float16) and needs_gradient(c)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(e)
+            and not torch.compiler.is_compiling())
 
 
 @torch.library.custom_op("cce::dense_forward", mutates_args=())
 @without_autocast
 def dense_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                   targets: torch.Tensor, weight: Optional[torch.Tensor], needs_grad: bool,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  in_grad_c: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-token loss, lse, G): float32 (N,), float32 (N,), and ``softmax - onehot`` in e's
-    dtype, (N, V) when ``needs_grad``, else empty. Targets canonical (int64, -1 = ignored)."""
+    dtype, (N, V) when ``needs_grad``, else empty; with ``in_grad_c``
+    (:func:`keeps_gradient_in_grad_c`), a flat buffer of dC's V * D elements holding ``G^T`` at
+    its tail (:func:`_transposed_view`). Targets canonical (int64, -1 = ignored)."""
     check_interpreter_usable()
     num_tokens, vocab_size = e.shape[0], c.shape[0]
-    gradient = (torch.empty(num_tokens, vocab_size, dtype=e.dtype, device=e.device)
-                if needs_grad else None)
+    buffer = gradient = None
+    chunk = dense_chunk_tokens(vocab_size)
+    if needs_grad and in_grad_c:
+        buffer = torch.empty(vocab_size * e.shape[1], dtype=c.dtype, device=e.device)
+        chunk = (e.shape[1] - num_tokens) // 2  # float32 logits in the buffer's head
+    elif needs_grad:
+        gradient = torch.empty(num_tokens, vocab_size, dtype=e.dtype, device=e.device)
     other_lse = torch.empty(num_tokens, dtype=torch.float32, device=e.device)
     target_logit = torch.empty_like(other_lse)
-    chunk = dense_chunk_tokens(vocab_size)
     for start in range(0, num_tokens, chunk):
         stop = min(num_tokens, start + chunk)
-        logits = _float32_product(e[start:stop], c.T)
+        scratch = (None if buffer is None
+                   else buffer[:2 * (stop - start) * vocab_size].view(torch.float32))
+        logits = _float32_product(e[start:stop], c.T, scratch)
         other_lse[start:stop], target_logit[start:stop] = softmax_gradient(
             logits, bias, targets[start:stop],
             None if gradient is None else gradient[start:stop])
+        if buffer is not None:
+            transposed_gradient(logits, bias, targets[start:stop], other_lse[start:stop],
+                                target_logit[start:stop],
+                                _transposed_view(buffer, num_tokens, vocab_size)[:, start:stop])
     lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
     loss = LossWeighting(weight).token_loss(cross_entropy, lse, None, targets, vocab_size)
-    return loss, lse, gradient if gradient is not None else e.new_empty(0)
+    kept = buffer if buffer is not None else gradient
+    return loss, lse, kept if kept is not None else e.new_empty(0)
 
 
 @dense_forward.register_fake
-def _dense_forward_fake(e, c, bias, targets, weight, needs_grad):
+def _dense_forward_fake(e, c, bias, targets, weight, needs_grad, in_grad_c):
     num_tokens = e.shape[0]
+    kept = ((c.shape[0] * e.shape[1],) if needs_grad and in_grad_c
+            else (num_tokens, c.shape[0]) if needs_grad else (0,))
     return (e.new_empty(num_tokens, dtype=torch.float32),
             e.new_empty(num_tokens, dtype=torch.float32),
-            e.new_empty((num_tokens, c.shape[0]) if needs_grad else (0,)))
+            e.new_empty(kept, dtype=c.dtype if in_grad_c else e.dtype))
+
+
+def _float32_product(a: torch.Tensor, b: torch.Tensor,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a @ b`` in float32 from inputs of any kernel dtype (cuBLAS's float32 output on a GPU),
+    into the flat float32 ``out`` when given."""
+    if out is not None:
+        out = out.view(a.shape[0], b.shape[1])
+    if a.is_cuda and a.dtype != torch.float32:
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    if out is None:
+        return torch.mm(a.float(), b.float())
+    return torch.mm(a.float(), b.float(), out=out)
+
+
+def _transposed_view(buffer: torch.Tensor, num_tokens: int, vocab_size: int) -> torch.Tensor:
+    """The (V, N) ``G^T`` at the tail of dC's flat buffer."""
+    return buffer[buffer.shape[0] - vocab_size * num_tokens:].view(vocab_size, num_tokens)
+
+
+class _RowScales:
+    """What the backward multiplies G's rows and the one-hot by (see the module's formulas):
+    ``softmax`` a (float32 (N,)), ``onehot`` r (None without an LSE gradient), and for float16
+    ``power``, a power of two near max |a| (else None): dC's product takes the rows of E times
+    ``a / power``, rounded once to e's dtype, so that float16 keeps its range; the output is
+    scaled back exactly (bfloat16 has float32's range: no pass over dC)."""
+
+    def __init__(self, targets: torch.Tensor, weight: Optional[torch.Tensor],
+                 grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
+                 vocab_size: int, dtype: torch.dtype) -> None:
+        scales = LossWeighting(weight).gradient_scales(
+            grad_loss if grad_loss is not None
+            else torch.zeros(targets.shape, device=targets.device), targets, vocab_size)
+        self.softmax = scales.softmax
+        if grad_lse is not None:
+            self.softmax = self.softmax + grad_lse.float()
+        # r: the LSE's upstream gradient at rows with a target (None: no such term).
+        self.onehot = (torch.where(targets >= 0, self.softmax - scales.target, 0.0)
+                       if grad_lse is not None else None)
+        self.power = (torch.exp2(torch.frexp(self.softmax.abs().amax())[1].float())
+                      if dtype == torch.float16 else None)
+        self.multipliers = self.softmax if self.power is None else self.softmax / self.power
+        self.safe_targets = targets.clamp(min=0)
+
+    def grad_e(self, gradient: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """dE from G (N, V)."""
+        grad_e = _float32_product(gradient, c) * self.softmax[:, None]
+        if self.onehot is not None:
+            grad_e += self.onehot[:, None] * c[self.safe_targets].float()
+        return grad_e.to(dtype)
+
+    def scaled_e(self, e: torch.Tensor) -> torch.Tensor:
+        return (e.float() * self.multipliers[:, None]).to(e.dtype)
+
+    def scaled_back(self, product: torch.Tensor) -> torch.Tensor:
+        """A product of :meth:`scaled_e` times ``power``, in place."""
+        return product if self.power is None else product.mul_(self.power.to(product.dtype))
+
+    def grad_bias(self, gradient_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """dbias from G^T (V, N). The multipliers as two terms in G's dtype (the second their
+        rounding error), so that 16-bit G is their only rounding."""
+        high = self.multipliers.to(gradient_t.dtype)
+        low = (self.multipliers - high.float()).to(gradient_t.dtype)
+        grad_bias = _float32_product(gradient_t, torch.stack([high, low], 1)).sum(1)
+        grad_bias = self.scaled_back(grad_bias)
+        if self.onehot is not None:
+            grad_bias.index_add_(0, self.safe_targets, self.onehot)
+        return grad_bias.to(dtype)
 
 
 @torch.library.custom_op("cce::dense_backward", mutates_args=())
@@ -87,40 +196,20 @@ def dense_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` from :func:`dense_forward`'s
     G (a None gradient counts as 0), each empty when not needed."""
-    scales = LossWeighting(weight).gradient_scales(
-        grad_loss if grad_loss is not None else torch.zeros(targets.shape, device=e.device),
-        targets, c.shape[0])
-    softmax_scale, target_scale = scales.softmax, scales.target
-    if grad_lse is not None:
-        softmax_scale = softmax_scale + grad_lse.float()
-    # r: the LSE's upstream gradient at rows with a target (None: no such term).
-    onehot_scale = (torch.where(targets >= 0, softmax_scale - target_scale, 0.0)
-                    if grad_lse is not None else None)
-    # dC's product takes the rows of E times their scales, rounded once to e's dtype, a power of
-    # two apart so that 16-bit e keeps its range; the output is scaled back exactly.
-    power = torch.exp2(torch.frexp(softmax_scale.abs().amax())[1].float())
-    multipliers = softmax_scale / power
-    safe_targets = targets.clamp(min=0)
+    scales = _RowScales(targets, weight, grad_loss, grad_lse, c.shape[0], e.dtype)
     grad_e = grad_c = grad_bias = None
     if needs_grad_e:
-        grad_e = _float32_product(gradient, c) * softmax_scale[:, None]
-        if onehot_scale is not None:
-            grad_e += onehot_scale[:, None] * c[safe_targets].float()
-        grad_e = grad_e.to(e.dtype)
+        grad_e = scales.grad_e(gradient, c, e.dtype)
     if needs_grad_c:
-        scaled_e = (e.float() * multipliers[:, None]).to(e.dtype)
-        if onehot_scale is None:  # G's product alone: its output in e's dtype
-            grad_c = torch.mm(gradient.T, scaled_e).mul_(power.to(e.dtype))
+        scaled_e = scales.scaled_e(e)
+        if scales.onehot is None:  # G's product alone: its output in e's dtype
+            grad_c = scales.scaled_back(torch.mm(gradient.T, scaled_e))
         else:
-            grad_c = _float32_product(gradient.T, scaled_e).mul_(power)
-            grad_c.index_add_(0, safe_targets, onehot_scale[:, None] * e.float())
+            grad_c = scales.scaled_back(_float32_product(gradient.T, scaled_e))
+            grad_c.index_add_(0, scales.safe_targets, scales.onehot[:, None] * e.float())
             grad_c = grad_c.to(c.dtype)
         if bias is not None:
-            grad_bias = _float32_product(gradient.T, multipliers[:, None].to(e.dtype)).squeeze(1)
-            grad_bias *= power
-            if onehot_scale is not None:
-                grad_bias.index_add_(0, safe_targets, onehot_scale)
-            grad_bias = grad_bias.to(bias.dtype)
+            grad_bias = scales.grad_bias(gradient.T, bias.dtype)
     return tuple(grad if grad is not None else e.new_empty(0)
                  for grad in (grad_e, grad_c, grad_bias))
 
@@ -133,21 +222,91 @@ def _dense_backward_fake(e, c, bias, targets, weight, gradient, grad_loss, grad_
             c.new_empty(bias.shape if needs_grad_c and bias is not None else (0,)))
 
 
+@torch.library.custom_op("cce::dense_backward_in_grad_c", mutates_args=("buffer",))
+@without_autocast
+def dense_backward_in_grad_c(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                             targets: torch.Tensor, weight: Optional[torch.Tensor],
+                             buffer: torch.Tensor, grad_loss: Optional[torch.Tensor],
+                             grad_lse: Optional[torch.Tensor], needs_grad_e: bool,
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dE, dbias), each empty when not needed, as :func:`dense_backward`, from G^T kept in
+    dC's ``buffer`` (:func:`dense_forward` with ``in_grad_c``), which receives dC (V * D,
+    flat): see the module's note for the order that keeps every row of G^T until it is read."""
+    num_tokens, dim = e.shape
+    vocab_size = c.shape[0]
+    scales = _RowScales(targets, weight, grad_loss, grad_lse, vocab_size, e.dtype)
+    gradient_t = _transposed_view(buffer, num_tokens, vocab_size)
+    grad_e = scales.grad_e(gradient_t.T, c, e.dtype) if needs_grad_e else e.new_empty(0)
+    grad_bias = (scales.grad_bias(gradient_t, bias.dtype) if bias is not None
+                 else e.new_empty(0))
+    scaled_e = scales.scaled_e(e)
+    target_rows = None
+    if scales.onehot is not None:
+        # The targets' rows of dC, G^T's part and scatter_y(r E) added in float32 before the
+        # one rounding, as dense_backward does; taken while G^T is whole. Tokens of one target
+        # are summed first, so that every write to a row carries the same value.
+        valid = targets >= 0
+        same_target = (targets[:, None] == targets[None, :]) & valid[None, :]
+        target_rows = (scales.scaled_back(_float32_product(gradient_t[scales.safe_targets],
+                                                           scaled_e))
+                       + torch.mm(same_target.float(), scales.onehot[:, None] * e.float()))
+    grad_c = buffer.view(vocab_size, dim)
+    start = 0
+    while start < vocab_size:
+        stop = vocab_size - cdiv((vocab_size - start) * num_tokens, dim)
+        left = (vocab_size - start) * num_tokens * buffer.element_size()
+        if stop <= start or left <= DENSE_IN_PLACE_TAIL_BYTES:
+            torch.mm(gradient_t[start:].clone(), scaled_e, out=grad_c[start:])
+            break
+        torch.mm(gradient_t[start:stop], scaled_e, out=grad_c[start:stop])
+        start = stop
+    scales.scaled_back(grad_c)
+    if target_rows is not None:
+        # Tokens without a target write the row of the first token with one, as it does (with
+        # no such token, row 0 as the product wrote it).
+        first = torch.argmax(valid.to(torch.int8))
+        rows = torch.where(valid, scales.safe_targets, scales.safe_targets[first])
+        values = torch.where(valid[:, None], target_rows, target_rows[first]).to(grad_c.dtype)
+        grad_c[rows] = torch.where(valid.any(), values, grad_c[rows])
+    return grad_e, grad_bias
+
+
+@dense_backward_in_grad_c.register_fake
+def _dense_backward_in_grad_c_fake(e, c, bias, targets, weight, buffer, grad_loss, grad_lse,
+                                   needs_grad_e):
+    return (e.new_empty(e.shape if needs_grad_e else (0,)),
+            c.new_empty(bias.shape if bias is not None else (0,)))
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, bias, targets, weight, _ = inputs
+    e, c, bias, targets, weight, _, in_grad_c = inputs
     _, _, gradient = output
     ctx.mark_non_differentiable(gradient)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(e, c, bias, targets, weight, gradient)
+    ctx.in_grad_c = in_grad_c
+    ctx.consumed = False
 
 
 def _backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], _):
+    if ctx.in_grad_c and ctx.consumed:
+        raise RuntimeError(
+            "memory='fast' at this size kept the logits' gradient in dC's memory and the first "
+            "backward wrote dC over it: a second backward through the same graph is not "
+            "supported (call the loss again, or use memory='low')")
     e, c, bias, targets, weight, gradient = ctx.saved_tensors
     needs_e, needs_c, needs_bias = ctx.needs_input_grad[:3]
     with torch.no_grad():
-        grad_e, grad_c, grad_bias = dense_backward(
-            e, c, bias, targets, weight, gradient, grad_loss, grad_lse,
-            needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
+        if ctx.in_grad_c:
+            ctx.consumed = True
+            grad_e, grad_bias = dense_backward_in_grad_c(
+                e, c, bias, targets, weight, gradient, grad_loss, grad_lse, needs_grad_e=needs_e)
+            grad_c = gradient.view(c.shape)
+        else:
+            grad_e, grad_c, grad_bias = dense_backward(
+                e, c, bias, targets, weight, gradient, grad_loss, grad_lse,
+                needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
+    del gradient  # the saved tensor's last reference but dC's: autograd may take dC as c.grad
     gradients = differentiable_once(
         [grad if needed else None
          for grad, needed in ((grad_e, needs_e), (grad_c, needs_c), (grad_bias, needs_bias))],
@@ -183,7 +342,7 @@ def dense_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
         return tokenless_loss(e, c, bias)
     needs_grad = needs_gradient(e, c, bias)
     arguments = (e, c, bias if bias is None else bias.contiguous(), targets.contiguous(),
-                 weighting.weight, needs_grad)
+                 weighting.weight, needs_grad, needs_grad and keeps_gradient_in_grad_c(e, c))
     loss, lse, _ = (_DenseLinearCrossEntropy.apply(*arguments) if needs_grad
                     else dense_forward(*arguments))
     return TokenOutputs(loss, lse)

@@ -6,7 +6,9 @@ in the inputs' 16- or 32-bit dtype.
 
 One program per row reads its logits twice: a running log-sum-exp with the target left out,
 then the softmax, whose entry at the target is ``-(1 - p_y) = -exp(O - L)``. The second read
-mostly hits L2, where the first left the row.
+mostly hits L2, where the first left the row. Where G is kept transposed (in dC's memory,
+:mod:`cce.dense.loss`), the first read alone, then :func:`transposed_gradient` writes ``G^T`` tile
+by tile, so that its stores run along the tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.config import dot_precision, kernel_configs
+from cce.config import cdiv, dot_precision, kernel_configs
 from cce.forward.lse_forward import exp_shift, log_add_exp
 from cce.logit_tile import round_to
 
@@ -29,6 +31,16 @@ def _logit_block(row_logits, bias_ptr, columns, vocab_size):
     if bias_ptr is not None:
         z += tl.load(bias_ptr + columns, mask=columns < vocab_size, other=0.0).to(tl.float32)
     return z
+
+
+@triton.jit
+def _softmax_minus_onehot(z, is_target, other_lse, target_logit):
+    """Entries of ``softmax - onehot`` from a row's logits ``z`` and its two LSE parts (NaN on a
+    row with a +inf logit, as PyTorch's log_softmax gives)."""
+    lse = log_add_exp(other_lse, target_logit)
+    complement = tl.exp(other_lse - lse)
+    poison = tl.where(lse == float("inf"), float("nan"), 0.0)
+    return tl.where(is_target, -complement, tl.exp(z - lse)) + poison
 
 
 @triton.jit
@@ -55,15 +67,11 @@ def softmax_gradient_kernel(logits_ptr, bias_ptr, targets_ptr, other_lse_ptr, ta
     tl.store(other_lse_ptr + row, other_lse)
     tl.store(target_logit_ptr + row, target_logit)
     if gradient_ptr is not None:
-        lse = log_add_exp(other_lse, target_logit)
-        complement = tl.exp(other_lse - lse)
-        # A row with a +inf logit has a NaN gradient everywhere, as PyTorch's log_softmax gives.
-        poison = tl.where(lse == float("inf"), float("nan"), 0.0)
         row_gradient = gradient_ptr + row.to(tl.int64) * stride_gradient
         for start in range(0, vocab_size, BLOCK_VOCAB):
             columns = start + offsets
             z = _logit_block(row_logits, bias_ptr, columns, vocab_size)
-            g = tl.where(columns == target, -complement, tl.exp(z - lse)) + poison
+            g = _softmax_minus_onehot(z, columns == target, other_lse, target_logit)
             tl.store(row_gradient + columns,
                      round_to(g, gradient_ptr.dtype.element_ty, DOT_PRECISION),
                      mask=columns < vocab_size)
@@ -87,3 +95,44 @@ def softmax_gradient(logits: torch.Tensor, bias: Optional[torch.Tensor], targets
         DOT_PRECISION=dot_precision(logits.dtype if gradient is None else gradient.dtype),
         num_warps=config.num_warps)
     return other_lse, target_logit
+
+
+@triton.jit
+def transposed_gradient_kernel(logits_ptr, bias_ptr, targets_ptr, other_lse_ptr,
+                               target_logit_ptr, gradient_ptr, num_rows, vocab_size,
+                               stride_logits, stride_gradient, BLOCK_ROWS: tl.constexpr,
+                               BLOCK_VOCAB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    columns = tl.program_id(0) * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
+    row_mask = rows < num_rows
+    mask = row_mask[:, None] & (columns < vocab_size)[None, :]
+    z = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_logits + columns[None, :],
+                mask=mask, other=float("-inf"))
+    if bias_ptr is not None:
+        bias = tl.load(bias_ptr + columns, mask=columns < vocab_size, other=0.0)
+        z += bias.to(tl.float32)[None, :]
+    targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
+    other_lse = tl.load(other_lse_ptr + rows, mask=row_mask, other=0.0)
+    target_logit = tl.load(target_logit_ptr + rows, mask=row_mask, other=0.0)
+    g = _softmax_minus_onehot(z, columns[None, :] == targets[:, None], other_lse[:, None],
+                              target_logit[:, None])
+    tl.store(gradient_ptr + columns.to(tl.int64)[None, :] * stride_gradient + rows[:, None],
+             round_to(g, gradient_ptr.dtype.element_ty, DOT_PRECISION), mask=mask)
+
+
+def transposed_gradient(logits: torch.Tensor, bias: Optional[torch.Tensor],
+                        targets: torch.Tensor, other_lse: torch.Tensor,
+                        target_logit: torch.Tensor, gradient_t: torch.Tensor) -> None:
+    """Into ``gradient_t`` (V, n), whose rows may be strided but whose columns are not,
+    ``(softmax - onehot)^T`` of the float32 ``logits`` (n, V) plus ``bias``, from
+    :func:`softmax_gradient`'s two LSE parts of each row."""
+    num_rows, vocab_size = logits.shape
+    if num_rows == 0:
+        return
+    config = kernel_configs(logits.dtype).dense_tiles
+    grid = (cdiv(vocab_size, config.block_vocab), cdiv(num_rows, config.block_tokens))
+    transposed_gradient_kernel[grid](
+        logits, bias, targets, other_lse, target_logit, gradient_t, num_rows, vocab_size,
+        logits.stride(0), gradient_t.stride(0), BLOCK_ROWS=config.block_tokens,
+        BLOCK_VOCAB=config.block_vocab, DOT_PRECISION=dot_precision(gradient_t.dtype),
+        num_warps=config.num_warps)
