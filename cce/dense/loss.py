@@ -163,9 +163,9 @@ class _RowScales:
 
     def grad_e(self, gradient: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """dE from G (N, V)."""
-        grad_e = _float32_product(gradient, c) * self.softmax[:, None]
+        grad_e = _float32_product(gradient, c).mul_(self.softmax[:, None])
         if self.onehot is not None:
-            grad_e += self.onehot[:, None] * c[self.safe_targets].float()
+            grad_e.addcmul_(self.onehot[:, None], c[self.safe_targets].float())
         return grad_e.to(dtype)
 
     def scaled_e(self, e: torch.Tensor) -> torch.Tensor:
