@@ -169,7 +169,7 @@ class _RowScales:
         return grad_e.to(dtype)
 
     def scaled_e(self, e: torch.Tensor) -> torch.Tensor:
-        return (e.float() * self.multipliers[:, None]).to(e.dtype)
+        return (e * self.multipliers[:, None]).to(e.dtype)  # in float32, no float32 copy of e
 
     def scaled_back(self, product: torch.Tensor) -> torch.Tensor:
         """A product of :meth:`scaled_e` times ``power``, in place."""
