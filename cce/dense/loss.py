@@ -67,8 +67,8 @@ def keeps_gradient_in_grad_c(e: torch.Tensor, c: torch.Tensor) -> bool:
     num_tokens, dim = e.shape
     return (c.shape[0] > DENSE_MAX_VOCAB and 0 < 2 * num_tokens <= dim and e.dtype == c.dtype
             and e.dtype in (torch.bfloat16, torch.float16) and needs_gradient(c)
-            and not torch._C._functorch.is_functorch_wrapped_tensor(e)
-            and not torch.compiler.is_compiling())
+            and not torch.compiler.is_compiling()  # first: Dynamo cannot trace the next one
+            and not torch._C._functorch.is_functorch_wrapped_tensor(e))
 
 
 @torch.library.custom_op("cce::dense_forward", mutates_args=())
