@@ -412,6 +412,66 @@ def test_a_masked_lm_loss_function_is_reproduced(gen, device):
     assert relative_error(shifted, step.expected.loss) > 10 * TOLERANCE
 
 
+class LlamaMaskingTokens(transformers.LlamaForCausalLM):
+    """Chameleon's mask: vocabulary entries (its image tokens) set to the dtype's minimum."""
+
+    MASKED = [5, 17, 40]
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids, **kwargs).last_hidden_state)
+        logits[:, :, self.MASKED] = torch.finfo(logits.dtype).min
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+class LlamaMaskingScaledLogits(LlamaMaskingTokens):
+    """A mask after a logit scale, and one before: neither reproduced (a masked target's
+    logit would not be the minimum)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids, **kwargs).last_hidden_state)
+        if self.config.mask_first:
+            logits[:, :, self.MASKED] = torch.finfo(logits.dtype).min
+        logits = logits * 2.0
+        if not self.config.mask_first:
+            logits[:, :, self.MASKED] = torch.finfo(logits.dtype).min
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("masked_targets", [False, True], ids=["other-targets", "masked-targets"])
+def test_masked_vocabulary_entries_are_reproduced(masked_targets, gen, device):
+    """Entries set to the dtype's minimum take no part in the softmax; a target among them
+    scores the minimum (a loss of about 3.4e38, inf once summed, as PyTorch's) with no gradient
+    at itself, as an overwritten logit has none."""
+    torch.manual_seed(0)
+    reference = LlamaMaskingTokens(transformers.LlamaConfig(**TINY)).to(device)
+    model = patch(copy.deepcopy(reference))
+    inputs = make_batch(gen, device)
+    scored = inputs["labels"] >= 0
+    is_masked = torch.isin(inputs["labels"], torch.tensor(reference.MASKED, device=device))
+    inputs["labels"][scored & is_masked] = 3
+    if masked_targets:
+        inputs["labels"][0, 6], inputs["labels"][1, 3] = 5, 40
+    output, expected = model(**inputs), reference(**inputs)
+    assert output.logits is None
+    if masked_targets:
+        assert torch.isinf(expected.loss) and torch.equal(output.loss, expected.loss)
+    else:
+        assert relative_error(output.loss, expected.loss) <= TOLERANCE
+    output.loss.backward()
+    expected.loss.backward()
+    assert_same_training_step(model, reference)
+    assert torch.all(model.lm_head.weight.grad[reference.MASKED] == 0)
+
+    for mask_first, message in ((False, "before any scale or cap"),
+                                (True, "scale or cap after masked")):
+        config = transformers.LlamaConfig(**TINY, mask_first=mask_first)
+        scaled = patch(LlamaMaskingScaledLogits(config).to(device))
+        with pytest.raises(AttributeError, match=message):
+            scaled(**inputs)
+
+
 class LlamaWithZLoss(transformers.LlamaForCausalLM):
     """Bamba's z-loss: the mean square of every position's LSE, added to the loss, here taken
     after the cross-entropy (of scaled logits)."""

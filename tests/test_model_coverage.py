@@ -153,7 +153,8 @@ CONFIG = {
     "emu3": dict(vocabulary_map={"<image>": 5, "<|extra_200|>": 6}, vq_config=dict(
         codebook_size=16, embed_dim=32, latent_channels=32, base_channels=32,
         channel_multiplier=[1, 1], num_res_blocks=1)),
-    "chameleon": dict(vocabulary_map={"<image>": 5}, vq_config=dict(
+    "chameleon": dict(vocabulary_map={"<image>": 5, "IMGIMGAZ": 250, "IMGIMGBZ": 251,
+                                      "IMGIMGCZ": 252}, vq_config=dict(
         base_channels=32, embed_dim=32, latent_channels=32, num_embeddings=16,
         channel_multiplier=[1, 1], resolution=16)),
     # Sizes and counts their configs leave None or give for many layers.

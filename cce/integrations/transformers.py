@@ -20,8 +20,10 @@ docs/models.md lists every model type tested: exact, refused (why), or not teste
 
 With labels, the patched forward runs the model's own forward, in which the output embeddings
 return a stand-in for the logits rather than the logits: it keeps the final hidden states and
-records what the forward multiplies or divides the logits by and its softcap (``tanh``), and
-slices and flattens them as the forward does. When the forward takes their cross-entropy
+records what the forward multiplies or divides the logits by and its softcap (``tanh``), the
+vocabulary entries it sets to the dtype's minimum first (Chameleon's image tokens: a bias of
+that minimum; a target among them scores it, with no gradient at itself), and slices and
+flattens them as the forward does. When the forward takes their cross-entropy
 (``F.cross_entropy``, which ``self.loss_function``'s ForCausalLMLoss or ForMaskedLMLoss and
 ``nn.CrossEntropyLoss`` call), the stand-in computes it from the hidden states and the head's
 weight (and bias) with :func:`cce.linear_cross_entropy`, with the call's ``ignore_index`` and
@@ -63,7 +65,7 @@ import operator
 import textwrap
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -255,10 +257,11 @@ def _loss_function(model: nn.Module) -> Callable[..., Any]:
 
 
 # What a patched forward reproduces of the logits: multiplied or divided by a number (a logit
-# scale; a softcap's division and multiplication), tanh (a softcap), casts, slices of leading
-# dimensions and views that flatten them, their shape, their log-sum-exp over the vocabulary
-# (a z-loss), and the cross-entropy of the flattened logits (as transformers' loss functions
-# compute it, or F.cross_entropy, or nn.CrossEntropyLoss).
+# scale; a softcap's division and multiplication), tanh (a softcap), vocabulary entries set to
+# the dtype's minimum (a mask), casts, slices of leading dimensions and views that flatten them,
+# their shape, their log-sum-exp over the vocabulary (a z-loss), and the cross-entropy of the
+# flattened logits (as transformers' loss functions compute it, or F.cross_entropy, or
+# nn.CrossEntropyLoss).
 _SCALE_OPERATORS = (ast.Mult, ast.Div)
 _UNKNOWN = object()  # a test that patch cannot read from the module's attributes
 # transformers' loss functions that flatten the logits and take their cross-entropy
@@ -266,6 +269,18 @@ _UNKNOWN = object()  # a test that patch cannot read from the module's attribute
 _CROSS_ENTROPY_LOSSES = (ForCausalLMLoss, ForMaskedLMLoss)
 _METHODS = ("float", "to", "contiguous", "tanh", "view", "reshape")
 _METADATA = ("shape", "size", "dim", "ndim", "dtype", "device")
+
+
+def _is_vocabulary_mask(node: ast.expr, parent: Optional[ast.AST],
+                        grandparent: Optional[ast.AST]) -> bool:
+    """Whether ``node`` (the logits) is assigned ``logits[..., tokens] =
+    torch.finfo(...).min``: entries masked out of the softmax (Chameleon's image tokens)."""
+    return (isinstance(parent, ast.Subscript) and parent.value is node
+            and isinstance(parent.ctx, ast.Store) and isinstance(grandparent, ast.Assign)
+            and grandparent.targets == [parent]
+            and isinstance(grandparent.value, ast.Attribute) and grandparent.value.attr == "min"
+            and isinstance(grandparent.value.value, ast.Call)
+            and ast.unparse(grandparent.value.value.func).split(".")[-1] == "finfo")
 
 
 def _is_vocabulary_logsumexp(node: ast.expr, parent: Optional[ast.AST],
@@ -537,6 +552,8 @@ class _ForwardReading:
         while True:
             parent = self.parents.get(node)
             grandparent = self.parents.get(parent)
+            if _is_vocabulary_mask(node, parent, grandparent):
+                return None, "mask"  # logits[:, :, tokens] = torch.finfo(logits.dtype).min
             if isinstance(parent, ast.BinOp) and isinstance(parent.op, _SCALE_OPERATORS) and (
                     parent.left is node or isinstance(parent.op, ast.Mult)):
                 node = parent  # logits * scale, scale * logits, logits / scale
@@ -709,7 +726,8 @@ class _DeferredLogits:
     def __init__(self, hidden_states: torch.Tensor, head: nn.Linear, options: dict[str, Any],
                  operations: tuple = (), taken: Optional[list[_TakenLSE]] = None) -> None:
         self.hidden_states, self.head, self.options = hidden_states, head, options
-        self.operations = operations  # ("scale", number) and ("tanh",), in order
+        # ("mask", vocabulary index), ("scale", number) and ("tanh",), in order
+        self.operations = operations
         # Shared by the stand-ins made from one: the LSEs their cross-entropies took.
         self.taken = [] if taken is None else taken
 
@@ -765,6 +783,19 @@ class _DeferredLogits:
         if all(isinstance(arg, torch.dtype) for arg in (*args, *kwargs.values())):
             return self
         raise _unreproduced_use(".to() other than a cast")
+
+    # A mask: entries of the vocabulary set to the dtype's minimum, before any scale or cap.
+    def __setitem__(self, index: Any, value: Any) -> None:
+        *leading, vocabulary = index if isinstance(index, tuple) else (index,)
+        whole = all(item is Ellipsis or isinstance(item, slice) and item == slice(None)
+                    for item in leading)
+        reaches_vocabulary = Ellipsis in leading or len(leading) == self.dim() - 1
+        if (not (whole and reaches_vocabulary) or not isinstance(value, float)
+                or value != torch.finfo(self.dtype).min
+                or any(operation[0] != "mask" for operation in self.operations)):
+            raise _unreproduced_use("entries set, other than vocabulary entries to the dtype's "
+                                    "minimum before any scale or cap")
+        self.operations += (("mask", vocabulary),)
 
     # Slices and views of the leading dimensions.
     def __getitem__(self, index: Any) -> _DeferredLogits:
@@ -853,12 +884,45 @@ class _DeferredLogits:
     def _loss_and_lse(self, target: torch.Tensor, **options: Any,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """cce's loss and every row's LSE of these (flattened) logits."""
-        scale, softcap = _scale_and_softcap(self.operations)
-        return _as_head_forward(
-            self.head, self.hidden_states,
-            lambda hidden_states: _cross_entropy(
-                self.head, hidden_states, target, scale=scale, softcap=softcap,
-                return_lse=True, **options))
+        masked = [operation[1] for operation in self.operations if operation[0] == "mask"]
+        scale, softcap = _scale_and_softcap(self.operations[len(masked):])
+
+        def loss_and_lse(target: torch.Tensor, **options: Any) -> Any:
+            return _as_head_forward(
+                self.head, self.hidden_states,
+                lambda hidden_states: _cross_entropy(
+                    self.head, hidden_states, target, scale=scale, softcap=softcap,
+                    masked=masked, return_lse=True, **options))
+
+        if not masked:
+            return loss_and_lse(target, **options)
+        if len(self.operations) > len(masked):  # a masked target's logit would not be the minimum
+            raise _unreproduced_use("scale or cap after masked vocabulary entries")
+        return self._masked_loss_and_lse(loss_and_lse, masked, target, **options)
+
+    def _masked_loss_and_lse(self, loss_and_lse: Callable[..., Any], masked: list,
+                             target: torch.Tensor, *, reduction: str, ignore_index: int,
+                             **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss with vocabulary entries masked (set to the dtype's minimum, whose
+        gradient is 0): the softmax's part is cce's with those entries' bias at the minimum;
+        a row whose target is masked scores ``lse - minimum`` with no gradient at its target,
+        so cce takes it as ignored and its loss is added here."""
+        if options["weight"] is not None or options["label_smoothing"]:
+            raise _unreproduced_use("masked vocabulary entries with class weights or label "
+                                    "smoothing")
+        is_masked = torch.zeros(self.head.out_features, dtype=torch.bool, device=target.device)
+        for vocabulary in masked:
+            is_masked[vocabulary] = True
+        scored = target != ignore_index
+        hits = scored & is_masked[target.clamp(0, is_masked.shape[0] - 1)]
+        loss, lse = loss_and_lse(torch.where(hits, ignore_index, target), reduction="none",
+                                 ignore_index=ignore_index, **options)
+        loss = loss + torch.where(hits, lse - torch.finfo(self.dtype).min, 0.0)
+        if reduction == "sum":
+            loss = loss.sum()
+        elif reduction == "mean":  # over the scored rows, NaN without one, as F.cross_entropy
+            loss = loss.sum() / scored.sum()
+        return loss, lse
 
 
 def _same_rows(flat: torch.Tensor, hidden_states: torch.Tensor) -> bool:
@@ -949,11 +1013,20 @@ def _cross_entropy(
     *,
     scale: Union[float, torch.Tensor],
     softcap: Optional[float],
+    masked: Sequence[Any] = (),
     **options: Any,
 ) -> Any:
     """``F.cross_entropy(softcap(scale * head(hidden_states)), targets, ...)`` by cce, without
-    the logits (with ``return_lse=True``, and every row's LSE)."""
+    the logits (with ``return_lse=True``, and every row's LSE); the vocabulary entries
+    ``masked`` (indices) set to the logits' minimum first, as a bias of that minimum (added to
+    a logit, it rounds to the minimum)."""
     weight, bias = _classifier_of(head)(head)
+    if masked:
+        minimum = torch.finfo(weight.dtype).min
+        bias = (torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
+                if bias is None else bias.clone())
+        for vocabulary in masked:
+            bias[vocabulary] = minimum
     device_type = weight.device.type
     # Under autocast, the head would multiply in the autocast dtype; cce needs one dtype anyway.
     if torch.is_autocast_enabled(device_type):
