@@ -738,13 +738,42 @@ def idefics(gen: torch.Generator) -> tuple:
     return transformers.IdeficsForVisionText2Text(config), inputs
 
 
+def git(gen: torch.Generator) -> tuple:
+    """GIT: its loss slices the image's tokens off the logits (and shifts them)."""
+    config = transformers.GitConfig(
+        vision_config=VISION, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    inputs = make_batch(gen, "cpu")
+    inputs["pixel_values"] = torch.randn(BATCH, 3, 28, 28, generator=gen)
+    return transformers.GitForCausalLM(config), inputs
+
+
+def pp_formulanet(gen: torch.Generator) -> tuple:
+    """PP-FormulaNet: an image encoder (windowed and global attention, convolutions after) and
+    a text decoder, given its inputs."""
+    config = transformers.PPFormulaNetConfig(
+        text_config=dict(vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_ffn_dim=64,
+                         decoder_attention_heads=4, max_position_embeddings=64, pad_token_id=1,
+                         bos_token_id=0, eos_token_id=2, decoder_start_token_id=2),
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=64, patch_size=16, output_channels=32, mlp_dim=64,
+                           global_attn_indexes=[1], window_size=2, post_conv_in_channels=32,
+                           post_conv_mid_channels=32, post_conv_out_channels=32,
+                           decoder_hidden_size=32))
+    batch = make_batch(gen, "cpu")
+    inputs = dict(pixel_values=torch.randn(BATCH, 3, 64, 64, generator=gen),
+                  decoder_input_ids=batch["input_ids"], labels=batch["labels"])
+    return transformers.PPFormulaNetForConditionalGeneration(config), inputs
+
+
 @pytest.mark.parametrize("build", [
     functools.partial(query_transformer_vlm, "Blip2"),
     functools.partial(query_transformer_vlm, "InstructBlip"),
     functools.partial(query_transformer_vlm, "InstructBlipVideo"), kosmos2, pix2struct,
-    vision_encoder_decoder, idefics], ids=["blip-2", "instructblip", "instructblipvideo",
-                                           "kosmos-2", "pix2struct", "vision-encoder-decoder",
-                                           "idefics"])
+    vision_encoder_decoder, idefics, git, pp_formulanet], ids=[
+        "blip-2", "instructblip", "instructblipvideo", "kosmos-2", "pix2struct",
+        "vision-encoder-decoder", "idefics", "git", "pp_formulanet"])
 def test_models_with_pixel_inputs_are_exact(build, gen, device):
     torch.manual_seed(0)
     reference, inputs = build(gen)

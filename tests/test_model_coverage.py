@@ -243,7 +243,9 @@ TESTED_WITH_PIXELS = {
                      ("vision-encoder-decoder", "VisionEncoderDecoderModel")], "pixel_values"),
     ("pix2struct", "Pix2StructForConditionalGeneration"): "flattened_patches",
     ("instructblipvideo", "InstructBlipVideoForConditionalGeneration"): "video frames",
-    ("idefics", "IdeficsForVisionText2Text"): "pixel_values",
+    **dict.fromkeys([("idefics", "IdeficsForVisionText2Text"), ("git", "GitForCausalLM"),
+                     ("pp_formulanet", "PPFormulaNetForConditionalGeneration")],
+                    "pixel_values"),
 }
 # Inputs that a model asks for in training even on text alone: all zeros (text tokens).
 TEXT_ONLY_INPUTS = {"molmo2": ("mm_token_type_ids",)}
@@ -253,8 +255,6 @@ NOT_TESTED = {
     ("perception_lm", "PerceptionLMForConditionalGeneration"): TIMM,
     ("llama4", "Llama4ForConditionalGeneration"):
         "its own forward fails on text alone in transformers 5.24 (`outputs.image_outputs`)",
-    ("git", "GitForCausalLM"): "its loss slices off image tokens: needs pixel_values",
-    ("pp_formulanet", "PPFormulaNetForConditionalGeneration"): "needs pixel_values",
     ("udop", "UdopForConditionalGeneration"): "an encoder-decoder: needs decoder inputs",
     **dict.fromkeys([("gemma4_assistant", "Gemma4AssistantForCausalLM"),
                      ("gemma4_unified_assistant", "Gemma4UnifiedAssistantForCausalLM")],
