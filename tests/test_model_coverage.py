@@ -149,6 +149,8 @@ CONFIG = {
                            codebook_dim=32, codebook_size=64, decoder_hidden_size=32,
                            decoder_intermediate_size=64, decoder_num_layers=1,
                            decoder_attention_num_groups=4, num_lstm_layers=1)),
+    # Sizes its config does not name as the others do; a decoder start token.
+    "udop": dict(d_kv=8, d_ff=64, num_decoder_layers=2, decoder_start_token_id=0),
     # Two tiny vision layers to take features from; its image tokens inside the vocabulary.
     "molmo2": dict(adapter_config=dict(vision_feature_layer=[1, 0]), image_patch_id=250,
                    image_start_token_id=251, low_res_image_start_token_id=252,
@@ -247,21 +249,21 @@ TESTED_WITH_PIXELS = {
                      ("pp_formulanet", "PPFormulaNetForConditionalGeneration")],
                     "pixel_values"),
 }
-# Inputs that a model asks for in training even on text alone: all zeros (text tokens).
-TEXT_ONLY_INPUTS = {"molmo2": ("mm_token_type_ids",)}
+# Inputs that a model asks for in training even on text alone, from the input ids.
+TEXT_ONLY_INPUTS = {
+    "molmo2": lambda ids: {"mm_token_type_ids": torch.zeros_like(ids)},  # every token text
+    "udop": lambda ids: {"bbox": torch.zeros(*ids.shape, 4)},  # every token's box at 0
+}
 NOT_TESTED = {
     ("gemma3n", "Gemma3nForConditionalGeneration"): TIMM,
     ("fast_vlm", "FastVlmForConditionalGeneration"): TIMM,
     ("perception_lm", "PerceptionLMForConditionalGeneration"): TIMM,
     ("llama4", "Llama4ForConditionalGeneration"):
         "its own forward fails on text alone in transformers 5.24 (`outputs.image_outputs`)",
-    ("udop", "UdopForConditionalGeneration"): "an encoder-decoder: needs decoder inputs",
     **dict.fromkeys([("gemma4_assistant", "Gemma4AssistantForCausalLM"),
                      ("gemma4_unified_assistant", "Gemma4UnifiedAssistantForCausalLM")],
                     "a drafting model: its forward takes a backbone's embeddings and shared "
                     "key/value states, and no labels"),
-    ("musicgen", "MusicgenForCausalLM"): "an audio-codebook decoder",
-    ("musicgen_melody", "MusicgenMelodyForCausalLM"): "an audio-codebook decoder",
 }
 
 
@@ -403,9 +405,9 @@ def make_batch(gen: torch.Generator, config: Any) -> dict[str, torch.Tensor]:
     labels = input_ids.clone()
     labels[0, :4] = -100
     labels[attention_mask == 0] = -100
-    zeros = {name: torch.zeros_like(input_ids)
-             for name in TEXT_ONLY_INPUTS.get(getattr(config, "model_type", None), ())}
-    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **zeros)
+    extra = TEXT_ONLY_INPUTS.get(getattr(config, "model_type", None), lambda ids: {})
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                **extra(input_ids))
 
 
 def table_version() -> str:
