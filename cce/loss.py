@@ -185,7 +185,11 @@ def linear_cross_entropy(
             are live), without softcap, label smoothing, entropy or argmax, the dense path:
             float32 logits a 256 MB chunk at a time, and the gradient of the logits kept
             from the forward to the backward (N x V in e's dtype, as much as the logits),
-            three GEMMs in all, exact gradients; otherwise ``keep_tiles``. Kernels only.
+            three GEMMs in all, exact gradients. On larger vocabularies at N <= D / 2 (16-bit
+            ``e`` and ``c`` of one dtype, ``c`` trained), the same with that gradient kept in
+            the memory dC will take (dC's buffer from the forward on; the backward writes dC
+            over it, so a second backward through the graph raises). Otherwise
+            ``keep_tiles``. Kernels only.
         vocab_parallel: with a classifier split over the vocabulary across the ranks of a
             process group, this rank's shard (:class:`cce.VocabParallelOptions`): ``c`` (and
             ``bias``) are rows ``[start, stop)`` of the full classifier, ``e`` and ``targets``
