@@ -259,7 +259,7 @@ NOT_TESTED = {
     ("fast_vlm", "FastVlmForConditionalGeneration"): TIMM,
     ("perception_lm", "PerceptionLMForConditionalGeneration"): TIMM,
     ("llama4", "Llama4ForConditionalGeneration"):
-        "its own forward fails on text alone in transformers 5.24 (`outputs.image_outputs`)",
+        "its own forward fails in transformers 5.24, with pixels too (`outputs.image_outputs`)",
     **dict.fromkeys([("gemma4_assistant", "Gemma4AssistantForCausalLM"),
                      ("gemma4_unified_assistant", "Gemma4UnifiedAssistantForCausalLM")],
                     "a drafting model: its forward takes a backbone's embeddings and shared "
