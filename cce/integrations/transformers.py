@@ -65,7 +65,7 @@ import operator
 import textwrap
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -884,24 +884,28 @@ class _DeferredLogits:
     def _loss_and_lse(self, target: torch.Tensor, **options: Any,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """cce's loss and every row's LSE of these (flattened) logits."""
-        masked = [operation[1] for operation in self.operations if operation[0] == "mask"]
-        scale, softcap = _scale_and_softcap(self.operations[len(masked):])
-
-        def loss_and_lse(target: torch.Tensor, **options: Any) -> Any:
-            return _as_head_forward(
-                self.head, self.hidden_states,
-                lambda hidden_states: _cross_entropy(
-                    self.head, hidden_states, target, scale=scale, softcap=softcap,
-                    masked=masked, return_lse=True, **options))
-
-        if not masked:
-            return loss_and_lse(target, **options)
-        if len(self.operations) > len(masked):  # a masked target's logit would not be the minimum
+        entries = [operation[1] for operation in self.operations if operation[0] == "mask"]
+        if not entries:
+            scale, softcap = _scale_and_softcap(self.operations)
+            return self._cross_entropy(target, scale, softcap, None, **options)
+        if len(self.operations) > len(entries):  # a masked target's logit would not be the minimum
             raise _unreproduced_use("scale or cap after masked vocabulary entries")
-        return self._masked_loss_and_lse(loss_and_lse, masked, target, **options)
+        masked = torch.zeros(self.head.out_features, dtype=torch.bool, device=target.device)
+        for vocabulary in entries:
+            masked[vocabulary] = True
+        return self._masked_loss_and_lse(masked, target, **options)
 
-    def _masked_loss_and_lse(self, loss_and_lse: Callable[..., Any], masked: list,
-                             target: torch.Tensor, *, reduction: str, ignore_index: int,
+    def _cross_entropy(self, target: torch.Tensor, scale: Union[float, torch.Tensor],
+                       softcap: Optional[float], masked: Optional[torch.Tensor],
+                       **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return _as_head_forward(
+            self.head, self.hidden_states,
+            lambda hidden_states: _cross_entropy(
+                self.head, hidden_states, target, scale=scale, softcap=softcap, masked=masked,
+                return_lse=True, **options))
+
+    def _masked_loss_and_lse(self, masked: torch.Tensor, target: torch.Tensor, *,
+                             reduction: str, ignore_index: int,
                              **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss with vocabulary entries masked (set to the dtype's minimum, whose
         gradient is 0): the softmax's part is cce's with those entries' bias at the minimum;
@@ -910,13 +914,11 @@ class _DeferredLogits:
         if options["weight"] is not None or options["label_smoothing"]:
             raise _unreproduced_use("masked vocabulary entries with class weights or label "
                                     "smoothing")
-        is_masked = torch.zeros(self.head.out_features, dtype=torch.bool, device=target.device)
-        for vocabulary in masked:
-            is_masked[vocabulary] = True
         scored = target != ignore_index
-        hits = scored & is_masked[target.clamp(0, is_masked.shape[0] - 1)]
-        loss, lse = loss_and_lse(torch.where(hits, ignore_index, target), reduction="none",
-                                 ignore_index=ignore_index, **options)
+        hits = scored & masked[target.clamp(0, masked.shape[0] - 1)]
+        loss, lse = self._cross_entropy(torch.where(hits, ignore_index, target), 1.0, None,
+                                        masked, reduction="none", ignore_index=ignore_index,
+                                        **options)
         loss = loss + torch.where(hits, lse - torch.finfo(self.dtype).min, 0.0)
         if reduction == "sum":
             loss = loss.sum()
@@ -1013,20 +1015,17 @@ def _cross_entropy(
     *,
     scale: Union[float, torch.Tensor],
     softcap: Optional[float],
-    masked: Sequence[Any] = (),
+    masked: Optional[torch.Tensor] = None,
     **options: Any,
 ) -> Any:
     """``F.cross_entropy(softcap(scale * head(hidden_states)), targets, ...)`` by cce, without
-    the logits (with ``return_lse=True``, and every row's LSE); the vocabulary entries
-    ``masked`` (indices) set to the logits' minimum first, as a bias of that minimum (added to
-    a logit, it rounds to the minimum)."""
+    the logits (with ``return_lse=True``, and every row's LSE); the vocabulary entries where
+    ``masked`` (bool (V,)) is set to the logits' minimum first, as a bias of that minimum
+    (added to a logit, it rounds to the minimum)."""
     weight, bias = _classifier_of(head)(head)
-    if masked:
-        minimum = torch.finfo(weight.dtype).min
+    if masked is not None:
         bias = (torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
-                if bias is None else bias.clone())
-        for vocabulary in masked:
-            bias[vocabulary] = minimum
+                if bias is None else bias).masked_fill(masked, torch.finfo(weight.dtype).min)
     device_type = weight.device.type
     # Under autocast, the head would multiply in the autocast dtype; cce needs one dtype anyway.
     if torch.is_autocast_enabled(device_type):
