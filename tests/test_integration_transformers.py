@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
+from torch.nn import functional as nn_functional
 
 import cce
 
@@ -439,6 +440,18 @@ class LlamaMaskingScaledLogits(LlamaMaskingTokens):
         return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
 
 
+class LlamaMaskingAfterAView(LlamaMaskingTokens):
+    """The mask set after a view of the logits was taken: in PyTorch the view sees it."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids, **kwargs).last_hidden_state)
+        shifted = logits[:, :-1]
+        logits[:, :, self.MASKED] = torch.finfo(logits.dtype).min
+        loss = nn_functional.cross_entropy(shifted.reshape(-1, shifted.shape[-1]),
+                                           labels[:, 1:].reshape(-1))
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
 @pytest.mark.parametrize("masked_targets", [False, True], ids=["other-targets", "masked-targets"])
 def test_masked_vocabulary_entries_are_reproduced(masked_targets, gen, device):
     """Entries set to the dtype's minimum take no part in the softmax; a target among them
@@ -470,6 +483,9 @@ def test_masked_vocabulary_entries_are_reproduced(masked_targets, gen, device):
         scaled = patch(LlamaMaskingScaledLogits(config).to(device))
         with pytest.raises(AttributeError, match=message):
             scaled(**inputs)
+    after_a_view = patch(LlamaMaskingAfterAView(transformers.LlamaConfig(**TINY)).to(device))
+    with pytest.raises(AttributeError, match="before any scale or cap"):
+        after_a_view(**inputs)
 
 
 class LlamaWithZLoss(transformers.LlamaForCausalLM):

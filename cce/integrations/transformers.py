@@ -730,12 +730,14 @@ class _DeferredLogits:
         self.operations = operations
         # Shared by the stand-ins made from one: the LSEs their cross-entropies took.
         self.taken = [] if taken is None else taken
+        self.derived = False  # whether a stand-in was made from this one
 
     def __repr__(self) -> str:
         return f"_DeferredLogits(shape={tuple(self.shape)}, operations={self.operations})"
 
     def _then(self, operation: tuple = (), hidden_states: Optional[torch.Tensor] = None,
               ) -> _DeferredLogits:
+        self.derived = True  # a later mask would not reach what is made here (__setitem__)
         return _DeferredLogits(self.hidden_states if hidden_states is None else hidden_states,
                                self.head, self.options, self.operations + operation, self.taken)
 
@@ -792,7 +794,9 @@ class _DeferredLogits:
         reaches_vocabulary = Ellipsis in leading or len(leading) == self.dim() - 1
         if (not (whole and reaches_vocabulary) or not isinstance(value, float)
                 or value != torch.finfo(self.dtype).min
-                or any(operation[0] != "mask" for operation in self.operations)):
+                or any(operation[0] != "mask" for operation in self.operations)
+                # In PyTorch the views made before see the entries set; the stand-ins do not.
+                or self.derived):
             raise _unreproduced_use("entries set, other than vocabulary entries to the dtype's "
                                     "minimum before any scale or cap")
         self.operations += (("mask", vocabulary),)
