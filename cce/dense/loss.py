@@ -82,10 +82,11 @@ def dense_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     its tail (:func:`_transposed_view`). Targets canonical (int64, -1 = ignored)."""
     check_interpreter_usable()
     num_tokens, vocab_size = e.shape[0], c.shape[0]
-    buffer = gradient = None
+    buffer = gradient = gradient_t = None
     chunk = dense_chunk_tokens(vocab_size)
     if needs_grad and in_grad_c:
         buffer = torch.empty(vocab_size * e.shape[1], dtype=c.dtype, device=e.device)
+        gradient_t = _transposed_view(buffer, num_tokens, vocab_size)
         chunk = (e.shape[1] - num_tokens) // 2  # float32 logits in the buffer's head
     elif needs_grad:
         gradient = torch.empty(num_tokens, vocab_size, dtype=e.dtype, device=e.device)
@@ -99,10 +100,9 @@ def dense_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         other_lse[start:stop], target_logit[start:stop] = softmax_gradient(
             logits, bias, targets[start:stop],
             None if gradient is None else gradient[start:stop])
-        if buffer is not None:
+        if gradient_t is not None:
             transposed_gradient(logits, bias, targets[start:stop], other_lse[start:stop],
-                                target_logit[start:stop],
-                                _transposed_view(buffer, num_tokens, vocab_size)[:, start:stop])
+                                target_logit[start:stop], gradient_t[:, start:stop])
     lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
     loss = LossWeighting(weight).token_loss(cross_entropy, lse, None, targets, vocab_size)
     kept = buffer if buffer is not None else gradient
