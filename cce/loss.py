@@ -42,10 +42,11 @@ def kernels_or_chunked_torch(e: torch.Tensor, c: torch.Tensor, targets: torch.Te
     if kernels_take(e):
         # Triton is needed only where kernels run
         from cce.cce_function import cce_loss
-        from cce.dense.loss import dense_loss, dense_takes
+        from cce.dense.loss import dense_layout, dense_loss
 
-        if dense_takes(e, c, weighting, options):
-            return dense_loss(e, c, targets, bias, weighting, options)
+        layout = dense_layout(e, c, weighting, options)
+        if layout is not None:
+            return dense_loss(e, c, targets, bias, weighting, layout)
         return cce_loss(e, c, targets, bias, weighting, options)
     return chunked_torch_loss(e, c, targets, bias, weighting, options)
 

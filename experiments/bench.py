@@ -111,6 +111,7 @@ class Shape:
 TARGET_METHODS = ("cce", "torch_compile")
 # At N <= D / 2 memory="fast" keeps G in dC's memory: no more memory than cce's default.
 FAST_METHOD = "cce (memory='fast')"
+LLAMA_DIM = 4096
 
 
 # The real-data shapes' name, and theirs where the model is not importable (synthetic inputs).
@@ -131,10 +132,10 @@ SHAPES: dict[str, Shape] = {shape.name: shape for shape in (
           2304, "lm_like", frozen_classifier=True, methods=TARGET_METHODS),
     Shape("gemma2_9b", "Gemma 2 9B shape", 8192, 256000, 3584, "lm_like"),
     Shape("gemma2_27b", "Gemma 2 27B shape", 8192, 256000, 4608, "lm_like"),
-    Shape("llama3_8b", "Llama 3 8B shape", 8192, 128256, 4096, "lm_like"),
+    Shape("llama3_8b", "Llama 3 8B shape", 8192, 128256, LLAMA_DIM, "lm_like"),
     # The issue's sweep of the token count at the Llama 3 8B shape (N = 8192 is llama3_8b).
-    *(Shape(f"llama3_8b_n{n}", f"Llama 3 8B shape, N={n}", n, 128256, 4096, "lm_like",
-            methods=TARGET_METHODS + (FAST_METHOD,) * (2 * n <= 4096))
+    *(Shape(f"llama3_8b_n{n}", f"Llama 3 8B shape, N={n}", n, 128256, LLAMA_DIM, "lm_like",
+            methods=TARGET_METHODS + (FAST_METHOD,) * (2 * n <= LLAMA_DIM))
       for n in (1024, 4096, 16384, 32768)),
     Shape("mistral_nemo", "Mistral NeMo shape", 8192, 131072, 5120, "lm_like"),
     Shape("phi3_5_mini", "Phi 3.5 mini shape", 8192, 32064, 3072, "lm_like"),

@@ -11,7 +11,7 @@ r_i = a_i - b_i (= g_i) at rows with a target:
     dlogits = a G + r onehot,     dE = a (G C) + r C[y],     dC = G^T (a E) + scatter_y(r E).
 
 Three logit-sized GEMMs in all, as ``F.cross_entropy(e @ c.T)`` takes. The path takes the
-options whose gradient is that (no softcap, label smoothing or entropy: :func:`dense_takes`).
+options whose gradient is that (no softcap, label smoothing or entropy: :func:`dense_layout`).
 
 **G in dC's memory.** Where N <= D / 2 (16-bit e and c of one dtype, dC wanted), G fits in the
 memory dC will take. Above :data:`cce.config.DENSE_MAX_VOCAB`, where G kept apart would be
@@ -31,6 +31,7 @@ backward consumes G: a second backward through the same graph raises.
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -46,16 +47,26 @@ if TYPE_CHECKING:
     from cce.options import LossOptions
 
 
-def dense_takes(e: torch.Tensor, c: torch.Tensor, weighting: LossWeighting,
-                options: LossOptions) -> bool:
-    """Whether the dense path computes this call: memory "fast", options whose logit gradient is
-    a scaled ``softmax - onehot`` (no softcap or label smoothing, no entropy or argmax asked
-    for), and either G in dC's memory (:func:`keeps_gradient_in_grad_c`) or a vocabulary where
-    most tiles are live (:data:`cce.config.DENSE_MAX_VOCAB`)."""
-    return (options.memory == "fast" and options.softcap is None
-            and not weighting.label_smoothing and not options.return_entropy
-            and not options.return_argmax
-            and (c.shape[0] <= DENSE_MAX_VOCAB or keeps_gradient_in_grad_c(e, c)))
+class GradientLayout(enum.Enum):
+    """Where the dense path keeps G from the forward to the backward."""
+
+    APART = "(N, V), a tensor of its own"
+    IN_GRAD_C = "G^T at the tail of dC's buffer"
+
+
+def dense_layout(e: torch.Tensor, c: torch.Tensor, weighting: LossWeighting,
+                 options: LossOptions) -> Optional[GradientLayout]:
+    """Where the dense path keeps G for this call, or None where it does not compute it. It does
+    with memory "fast" and options whose logit gradient is a scaled ``softmax - onehot`` (no
+    softcap or label smoothing, no entropy or argmax asked for), on a vocabulary where most tiles
+    are live (:data:`cce.config.DENSE_MAX_VOCAB`: G apart), or above it with G in dC's memory
+    (:func:`keeps_gradient_in_grad_c`)."""
+    if (options.memory != "fast" or options.softcap is not None or weighting.label_smoothing
+            or options.return_entropy or options.return_argmax):
+        return None
+    if c.shape[0] <= DENSE_MAX_VOCAB:
+        return GradientLayout.APART
+    return GradientLayout.IN_GRAD_C if keeps_gradient_in_grad_c(e, c) else None
 
 
 def keeps_gradient_in_grad_c(e: torch.Tensor, c: torch.Tensor) -> bool:
@@ -335,14 +346,14 @@ class _DenseLinearCrossEntropy(torch.autograd.Function):
 
 def dense_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                bias: Optional[torch.Tensor], weighting: LossWeighting,
-               options: LossOptions) -> TokenOutputs:
-    """Canonical-signature entry point of the dense path (see :mod:`cce.loss`), for the calls
-    :func:`dense_takes`."""
+               layout: GradientLayout) -> TokenOutputs:
+    """The dense path's loss (the canonical inputs of :mod:`cce.loss`), G kept as ``layout``
+    (:func:`dense_layout`) says."""
     if e.shape[0] == 0:
         return tokenless_loss(e, c, bias)
     needs_grad = needs_gradient(e, c, bias)
     arguments = (e, c, bias if bias is None else bias.contiguous(), targets.contiguous(),
-                 weighting.weight, needs_grad, needs_grad and keeps_gradient_in_grad_c(e, c))
+                 weighting.weight, needs_grad, layout is GradientLayout.IN_GRAD_C)
     loss, lse, _ = (_DenseLinearCrossEntropy.apply(*arguments) if needs_grad
                     else dense_forward(*arguments))
     return TokenOutputs(loss, lse)
