@@ -187,6 +187,16 @@ def test_fast_at_small_batches_backward_twice_raises(device: str, gen: torch.Gen
         loss.backward()
 
 
+def test_fast_with_one_token_and_two_dimensions_runs(device: str, gen: torch.Generator,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """N = 1, D = 2 (N <= D / 2): the head of dC's buffer would hold no row of float32 logits,
+    so the call takes the kept tiles, as memory="fast" does where the dense path does not apply,
+    and matches the reference (it stopped on a chunk of zero tokens)."""
+    monkeypatch.setattr("cce.dense.loss.DENSE_MAX_VOCAB", 1)
+    inputs = make_inputs(gen, device, torch.float16, shape=(1,), dim=2, ignored_fraction=0.0)
+    check("cce", inputs, gen, memory="fast")
+
+
 def test_fast_at_small_batches_under_fullgraph_compile(device: str, gen: torch.Generator,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.compile(fullgraph=True) of a call that eager runs with G in dC's memory compiles

@@ -76,7 +76,9 @@ def keeps_gradient_in_grad_c(e: torch.Tensor, c: torch.Tensor) -> bool:
     calls would each hold a buffer of dC's size) and no torch.compile (whose partitioner does
     not take a backward that writes over a tensor saved by the forward)."""
     num_tokens, dim = e.shape
-    return (c.shape[0] > DENSE_MAX_VOCAB and 0 < 2 * num_tokens <= dim and e.dtype == c.dtype
+    # dim - num_tokens >= 2: a chunk of one row of float32 logits fits in the buffer's head.
+    return (c.shape[0] > DENSE_MAX_VOCAB and 0 < 2 * num_tokens <= dim
+            and dim - num_tokens >= 2 and e.dtype == c.dtype
             and e.dtype in (torch.bfloat16, torch.float16) and needs_gradient(c)
             and not torch.compiler.is_compiling()  # first: Dynamo cannot trace the next one
             and not torch._C._functorch.is_functorch_wrapped_tensor(e))
