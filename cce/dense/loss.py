@@ -76,9 +76,8 @@ def keeps_gradient_in_grad_c(e: torch.Tensor, c: torch.Tensor) -> bool:
     calls would each hold a buffer of dC's size) and no torch.compile (whose partitioner does
     not take a backward that writes over a tensor saved by the forward)."""
     num_tokens, dim = e.shape
-    # dim - num_tokens >= 2: a chunk of one row of float32 logits fits in the buffer's head.
     return (c.shape[0] > DENSE_MAX_VOCAB and 0 < 2 * num_tokens <= dim
-            and dim - num_tokens >= 2 and e.dtype == c.dtype
+            and _logit_rows_in_head(num_tokens, dim) > 0 and e.dtype == c.dtype
             and e.dtype in (torch.bfloat16, torch.float16) and needs_gradient(c)
             and not torch.compiler.is_compiling()  # first: Dynamo cannot trace the next one
             and not torch._C._functorch.is_functorch_wrapped_tensor(e))
@@ -100,7 +99,7 @@ def dense_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     if needs_grad and in_grad_c:
         buffer = torch.empty(vocab_size * e.shape[1], dtype=c.dtype, device=e.device)
         gradient_t = _transposed_view(buffer, num_tokens, vocab_size)
-        chunk = (e.shape[1] - num_tokens) // 2  # float32 logits in the buffer's head
+        chunk = _logit_rows_in_head(num_tokens, e.shape[1])
     elif needs_grad:
         gradient = torch.empty(num_tokens, vocab_size, dtype=e.dtype, device=e.device)
     other_lse = torch.empty(num_tokens, dtype=torch.float32, device=e.device)
@@ -143,6 +142,12 @@ def _float32_product(a: torch.Tensor, b: torch.Tensor,
     if out is None:
         return torch.mm(a.float(), b.float())
     return torch.mm(a.float(), b.float(), out=out)
+
+
+def _logit_rows_in_head(num_tokens: int, dim: int) -> int:
+    """Rows of float32 logits that the head of dC's 16-bit buffer holds beside G^T (V x N) at
+    its tail: (D - N) V elements of 16 bits are (D - N) / 2 rows of V float32 logits."""
+    return (dim - num_tokens) // 2
 
 
 def _transposed_view(buffer: torch.Tensor, num_tokens: int, vocab_size: int) -> torch.Tensor:
