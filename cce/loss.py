@@ -25,6 +25,7 @@ from cce.reference.chunked_torch import chunked_torch_loss
 from cce.config import KERNEL_DTYPES, kernels_take
 from cce.host_copy import start_host_copy
 from cce.options import IMPLEMENTATION_NAMES, LossOptions
+from cce.streams import StartedLoss, beside
 from cce.weighting import LossWeighting, TokenOutputs
 from cce.vocab_parallel import (VocabParallelOptions, check_shards, local_tensors,
                                 vocab_parallel_loss)
@@ -39,16 +40,38 @@ def kernels_or_chunked_torch(e: torch.Tensor, c: torch.Tensor, targets: torch.Te
     take the dtype (16 and 32 bits), else the same loss with exact gradients in chunked PyTorch
     operations, on the inputs' device (deterministic, recomputing once: the filter and kernel
     options do not apply)."""
+    return _start_kernels_or_chunked_torch(e, c, bias, weighting, options).loss_of_targets(
+        targets)
+
+
+def _start_kernels_or_chunked_torch(e: torch.Tensor, c: torch.Tensor,
+                                    bias: Optional[torch.Tensor], weighting: LossWeighting,
+                                    options: LossOptions) -> StartedLoss:
+    """:func:`kernels_or_chunked_torch`'s path for this call, chosen, as a function of the
+    targets (the dense path queues its first logits, :func:`cce.dense.loss.start_dense_loss`)."""
     if kernels_take(e):
         # Triton is needed only where kernels run
         from cce.cce_function import cce_loss
-        from cce.dense.loss import dense_layout, dense_loss
+        from cce.dense.loss import dense_layout, start_dense_loss
 
         layout = dense_layout(e, c, weighting, options)
         if layout is not None:
-            return dense_loss(e, c, targets, bias, weighting, layout)
-        return cce_loss(e, c, targets, bias, weighting, options)
-    return chunked_torch_loss(e, c, targets, bias, weighting, options)
+            return start_dense_loss(e, c, bias, weighting, layout)
+        return StartedLoss(lambda targets: cce_loss(e, c, targets, bias, weighting, options))
+    return StartedLoss(lambda targets: chunked_torch_loss(e, c, targets, bias, weighting,
+                                                          options))
+
+
+def _start(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+           weighting: LossWeighting, options: LossOptions) -> StartedLoss:
+    """The call's implementation as a function of the canonical targets, with the work that
+    needs only ``e`` and ``c`` queued (:mod:`cce.streams`)."""
+    if options.vocab_parallel is not None:
+        return StartedLoss(lambda targets: vocab_parallel_loss(e, c, targets, bias, options))
+    if options.impl == "cce":
+        return _start_kernels_or_chunked_torch(e, c, bias, weighting, options)
+    implementation = IMPLEMENTATIONS[options.impl]
+    return StartedLoss(lambda targets: implementation(e, c, targets, bias, weighting, options))
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
@@ -241,16 +264,16 @@ def _loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                               options.label_smoothing)
 
     ignore_index = operator.index(options.ignore_index)
-    canonical_targets, out_of_range = _canonical_targets(targets, ignore_index, options.shift,
-                                                         vocab_size)
-    any_out_of_range = out_of_range.any()
-    read_any_out_of_range = _start_host_read(any_out_of_range)
     flat_e = e.reshape(targets.numel(), e.shape[-1])  # not -1: D may be 0
+    started = _start(flat_e, c, bias, weighting, options)
+    with beside(started.queued_before, e.device) as hand_over:
+        canonical_targets, out_of_range = _canonical_targets(targets, ignore_index,
+                                                             options.shift, vocab_size)
+        any_out_of_range = out_of_range.any()
+        read_any_out_of_range = _start_host_read(any_out_of_range)
+        hand_over(canonical_targets, out_of_range, any_out_of_range)
     flat_targets = canonical_targets.reshape(-1)
-    if options.vocab_parallel is None:
-        outputs = IMPLEMENTATIONS[options.impl](flat_e, c, flat_targets, bias, weighting, options)
-    else:
-        outputs = vocab_parallel_loss(flat_e, c, flat_targets, bias, options)
+    outputs = started.loss_of_targets(flat_targets)
     token_loss, lse = outputs.loss, outputs.lse
     if options.z_loss:
         valid = flat_targets >= 0

@@ -187,6 +187,33 @@ def test_fast_at_small_batches_backward_twice_raises(device: str, gen: torch.Gen
         loss.backward()
 
 
+def test_fast_at_small_batches_reads_the_targets_queued_last(
+        device: str, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With G in dC's memory the first logits' GEMM is queued before the targets are made
+    canonical, which on a GPU runs on a second stream (cce.streams): targets that the caller's
+    last kernel writes, queued behind a long one, are those the loss scores and range-checks."""
+    monkeypatch.setattr("cce.dense.loss.DENSE_MAX_VOCAB", 1)
+    inputs = make_inputs(gen, device, torch.bfloat16, shape=(2, 9), dim=40)
+    expected = cce.linear_cross_entropy(inputs.e, inputs.c, inputs.targets, reduction="none")
+    c = inputs.c.detach().requires_grad_()
+
+    def targets_written_late(values: torch.Tensor) -> torch.Tensor:
+        targets = torch.zeros_like(values)
+        if device == "cuda":
+            torch.cuda._sleep(20_000_000)  # the GPU is still busy when the loss is called
+        return targets.copy_(values)
+
+    loss = cce.linear_cross_entropy(inputs.e, c, targets_written_late(inputs.targets),
+                                    reduction="none", memory="fast")
+    assert takes_dense_path(loss)
+    assert relative_error(loss, expected) <= 1e-5
+    out_of_range = inputs.targets.clone()
+    out_of_range[0, 3] = inputs.c.shape[0] + 5
+    with pytest.raises(ValueError, match="targets must be in"):
+        cce.linear_cross_entropy(inputs.e, c, targets_written_late(out_of_range),
+                                 memory="fast")
+
+
 def test_fast_with_one_token_and_two_dimensions_runs(device: str, gen: torch.Generator,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """N = 1, D = 2 (N <= D / 2): the head of dC's buffer would hold no row of float32 logits,
@@ -231,13 +258,14 @@ def test_dense_ops_pass_torch_library_opcheck(device: str, gen: torch.Generator)
     """torch.library.opcheck of the dense path's custom ops, G kept as (N, V) and in dC's memory:
     schemas, fake implementations against the real ones, autograd registration and tracing by
     AOTAutograd (torch.compile)."""
-    from cce.dense.loss import dense_backward, dense_backward_in_grad_c, dense_forward
+    from cce.dense.loss import (dense_backward, dense_backward_in_grad_c, dense_forward,
+                                dense_forward_in_grad_c, queue_first_logits)
 
     inputs = make_inputs(gen, device, torch.float32, bias=True, ignored_fraction=0.2)
     targets = torch.where(inputs.targets >= 0, inputs.targets, -1)
     e, c, bias = (x.detach().requires_grad_() for x in (inputs.e, inputs.c, inputs.bias))
     weight = torch.rand(c.shape[0], generator=gen).to(device)
-    forward_args = (e, c, bias, targets, weight, True, False)
+    forward_args = (e, c, bias, targets, weight, True)
     torch.library.opcheck(dense_forward, forward_args, rtol=1e-4, atol=1e-5)
     _, _, gradient = dense_forward(*forward_args)
     grad_loss = make_grad_output(gen, inputs, "none")
@@ -248,16 +276,16 @@ def test_dense_ops_pass_torch_library_opcheck(device: str, gen: torch.Generator)
     inputs = make_inputs(gen, device, torch.bfloat16, bias=True, shape=(2, 9), dim=40)
     targets = inputs.targets.reshape(-1)
     targets = torch.where(targets >= 0, targets, -1)
-    e = inputs.e.reshape(-1, 40).detach().requires_grad_()
-    c = inputs.c.detach().requires_grad_()
-    forward_args = (e, c, inputs.bias, targets, weight, True, True)
+    e, c = inputs.e.reshape(-1, 40), inputs.c
+    buffer = queue_first_logits(e, c)
+    forward_args = (e, c, inputs.bias, targets, weight, buffer, True)
     # Not traced by AOTAutograd: the path is not taken under torch.compile (its backward writes
-    # over what the forward saved).
-    torch.library.opcheck(dense_forward, forward_args, rtol=1e-2, atol=1e-3,
-                          test_utils=("test_schema", "test_autograd_registration",
-                                      "test_faketensor"))
-    _, _, buffer = dense_forward(*forward_args)
+    # over what the forward saved); its autograd formula is the autograd.Function's (an op that
+    # mutates an input takes none).
+    torch.library.opcheck(dense_forward_in_grad_c, forward_args, rtol=1e-2, atol=1e-3,
+                          test_utils=("test_schema", "test_faketensor"))
+    _, _, product = dense_forward_in_grad_c(*forward_args)
     grad_loss = torch.rand(targets.shape, generator=gen).to(device)
-    backward_args = (e.detach(), c.detach(), inputs.bias, targets, weight, buffer, grad_loss,
-                     torch.randn_like(grad_loss), True)
+    backward_args = (e, c, inputs.bias, targets, weight, buffer, product, grad_loss,
+                     torch.randn_like(grad_loss))
     torch.library.opcheck(dense_backward_in_grad_c, backward_args, rtol=1e-2, atol=1e-3)

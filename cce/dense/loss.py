@@ -16,17 +16,21 @@ options whose gradient is that (no softcap, label smoothing or entropy: :func:`d
 **G in dC's memory.** Where N <= D / 2 (16-bit e and c of one dtype, dC wanted), G fits in the
 memory dC will take. Above :data:`cce.config.DENSE_MAX_VOCAB`, where G kept apart would be
 large, the forward allocates dC's buffer and keeps ``G^T`` (V x N) at its tail;
-its float32 logits, ``(D - N) / 2`` tokens at a time, use the buffer's head as scratch. The
-backward takes dE first, then writes dC over the buffer in segments of increasing vocabulary
-rows, each ending where the first G^T row it reads begins:
+its float32 logits, ``(D - N) / 2`` tokens at a time, use the buffer's head as scratch. dE's
+product ``G C`` (float32 N x D) needs no upstream gradient: the forward queues it last, so that
+the GPU runs it while the host returns the loss and starts the backward (at small N the host's
+work between the two is as long as the forward's GEMMs). The backward scales it into dE, then
+writes dC over the buffer in segments of increasing vocabulary rows, each ending where the
+first G^T row it reads begins:
 
     rows [s, t) of dC fill elements [s D, t D);  row u of G^T starts at V (D - N) + u N;
     t = V - ceil((V - s) N / D)  keeps t D <= V (D - N) + s N,
 
 so no segment overwrites a row of G^T not yet read; the rows left shrink by N / D per segment,
-and the last few MB are copied out first. No memory beyond dE + dC for any vocabulary (the
-buffer is held from the forward, as the copy of ``c`` is, :mod:`cce.forward.plan`), but the
-backward consumes G: a second backward through the same graph raises.
+and the last few MB are copied out first. No memory beyond dE + dC + G C (at most D^2 / 2
+float32) for any vocabulary (the buffer and G C are held from the forward, as the copy of ``c``
+is, :mod:`cce.forward.plan`), but the backward consumes G: a second backward through the same
+graph raises.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from cce.autograd import (differentiable_once, needs_gradient, tokenless_loss,
 from cce.config import (DENSE_IN_PLACE_TAIL_BYTES, DENSE_MAX_VOCAB, cdiv,
                         check_interpreter_usable, dense_chunk_tokens)
 from cce.dense.softmax_gradient import softmax_gradient, transposed_gradient
+from cce.streams import StartedLoss, work_mark
 from cce.weighting import LossWeighting, TokenOutputs, lse_and_cross_entropy
 
 if TYPE_CHECKING:
@@ -87,17 +92,56 @@ def keeps_gradient_in_grad_c(e: torch.Tensor, c: torch.Tensor) -> bool:
 @without_autocast
 def dense_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                   targets: torch.Tensor, weight: Optional[torch.Tensor], needs_grad: bool,
-                  in_grad_c: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-token loss, lse, G): float32 (N,), float32 (N,), and ``softmax - onehot`` in e's
-    dtype, (N, V) when ``needs_grad``, else empty; with ``in_grad_c``
-    (:func:`keeps_gradient_in_grad_c`), a flat buffer of dC's V * D elements holding ``G^T`` at
-    its tail (:func:`_transposed_view`). Targets canonical (int64, -1 = ignored)."""
+    dtype, (N, V) when ``needs_grad``, else empty. Targets canonical (int64, -1 = ignored)."""
+    return _dense_forward(e, c, bias, targets, weight, needs_grad, None)
+
+
+@dense_forward.register_fake
+def _dense_forward_fake(e, c, bias, targets, weight, needs_grad):
+    num_tokens = e.shape[0]
+    return (e.new_empty(num_tokens, dtype=torch.float32),
+            e.new_empty(num_tokens, dtype=torch.float32),
+            e.new_empty((num_tokens, c.shape[0]) if needs_grad else (0,)))
+
+
+@torch.library.custom_op("cce::dense_forward_in_grad_c", mutates_args=("buffer",))
+@without_autocast
+def dense_forward_in_grad_c(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                            targets: torch.Tensor, weight: Optional[torch.Tensor],
+                            buffer: torch.Tensor, needs_grad_e: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token loss, lse, G C) as :func:`dense_forward`, with ``G^T`` written to the tail of
+    dC's flat ``buffer`` (:func:`_transposed_view`), whose head holds the first chunk's float32
+    logits (:func:`queue_first_logits`). ``G C``, float32 (N, D) when ``needs_grad_e`` (else
+    empty), is dE's product before its row scales: it needs no upstream gradient, so it is
+    queued here, and the GPU runs it while the host returns the loss and starts the backward.
+    No registered autograd formula (PyTorch takes none for an op that mutates an input):
+    :class:`_DenseLinearCrossEntropy` carries it."""
+    loss, lse, _ = _dense_forward(e, c, bias, targets, weight, True, buffer)
+    product = (_float32_product(_transposed_view(buffer, e.shape[0], c.shape[0]).T, c)
+               if needs_grad_e else e.new_empty(0, dtype=torch.float32))
+    return loss, lse, product
+
+
+@dense_forward_in_grad_c.register_fake
+def _dense_forward_in_grad_c_fake(e, c, bias, targets, weight, buffer, needs_grad_e):
+    return (e.new_empty(e.shape[0], dtype=torch.float32),
+            e.new_empty(e.shape[0], dtype=torch.float32),
+            e.new_empty(e.shape if needs_grad_e else (0,), dtype=torch.float32))
+
+
+def _dense_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                   targets: torch.Tensor, weight: Optional[torch.Tensor], needs_grad: bool,
+                   buffer: Optional[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both ops' forward: G apart when ``buffer`` is None, else G^T at its tail."""
     check_interpreter_usable()
     num_tokens, vocab_size = e.shape[0], c.shape[0]
-    buffer = gradient = gradient_t = None
+    gradient = gradient_t = None
     chunk = dense_chunk_tokens(vocab_size)
-    if needs_grad and in_grad_c:
-        buffer = torch.empty(vocab_size * e.shape[1], dtype=c.dtype, device=e.device)
+    if buffer is not None:
         gradient_t = _transposed_view(buffer, num_tokens, vocab_size)
         chunk = _logit_rows_in_head(num_tokens, e.shape[1])
     elif needs_grad:
@@ -106,9 +150,12 @@ def dense_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     target_logit = torch.empty_like(other_lse)
     for start in range(0, num_tokens, chunk):
         stop = min(num_tokens, start + chunk)
-        scratch = (None if buffer is None
-                   else buffer[:2 * (stop - start) * vocab_size].view(torch.float32))
-        logits = _float32_product(e[start:stop], c.T, scratch)
+        if buffer is None:
+            logits = _float32_product(e[start:stop], c.T)
+        else:
+            logits = _logits_in_head(buffer, stop - start, vocab_size)
+            if start:  # the first chunk's are queued before the call
+                _float32_product(e[start:stop], c.T, logits)
         other_lse[start:stop], target_logit[start:stop] = softmax_gradient(
             logits, bias, targets[start:stop],
             None if gradient is None else gradient[start:stop])
@@ -117,26 +164,32 @@ def dense_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
                                 target_logit[start:stop], gradient_t[:, start:stop])
     lse, cross_entropy = lse_and_cross_entropy(other_lse, target_logit, targets)
     loss = LossWeighting(weight).token_loss(cross_entropy, lse, None, targets, vocab_size)
-    kept = buffer if buffer is not None else gradient
-    return loss, lse, kept if kept is not None else e.new_empty(0)
+    return loss, lse, gradient if gradient is not None else e.new_empty(0)
 
 
-@dense_forward.register_fake
-def _dense_forward_fake(e, c, bias, targets, weight, needs_grad, in_grad_c):
-    num_tokens = e.shape[0]
-    kept = ((c.shape[0] * e.shape[1],) if needs_grad and in_grad_c
-            else (num_tokens, c.shape[0]) if needs_grad else (0,))
-    return (e.new_empty(num_tokens, dtype=torch.float32),
-            e.new_empty(num_tokens, dtype=torch.float32),
-            e.new_empty(kept, dtype=c.dtype if in_grad_c else e.dtype))
+@without_autocast
+def queue_first_logits(e: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """dC's flat buffer (V * D elements of c's dtype) for G in dC's memory, with the float32
+    logits of the first chunk of tokens queued into its head: the GEMM needs only ``e`` and
+    ``c``, so the loss queues it before it makes the targets canonical."""
+    num_tokens, dim = e.shape
+    vocab_size = c.shape[0]
+    buffer = torch.empty(vocab_size * dim, dtype=c.dtype, device=e.device)
+    rows = min(num_tokens, _logit_rows_in_head(num_tokens, dim))
+    with torch.no_grad():
+        _float32_product(e[:rows], c.T, _logits_in_head(buffer, rows, vocab_size))
+    return buffer
+
+
+def _logits_in_head(buffer: torch.Tensor, rows: int, vocab_size: int) -> torch.Tensor:
+    """(rows, V) float32 logits at the head of dC's flat 16-bit buffer."""
+    return buffer[:2 * rows * vocab_size].view(torch.float32).view(rows, vocab_size)
 
 
 def _float32_product(a: torch.Tensor, b: torch.Tensor,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``a @ b`` in float32 from inputs of any kernel dtype (cuBLAS's float32 output on a GPU),
-    into the flat float32 ``out`` when given."""
-    if out is not None:
-        out = out.view(a.shape[0], b.shape[1])
+    into the float32 ``out`` (a.shape[0], b.shape[1]) when given."""
     if a.is_cuda and a.dtype != torch.float32:
         return torch.mm(a, b, out_dtype=torch.float32, out=out)
     if out is None:
@@ -179,9 +232,9 @@ class _RowScales:
         self.multipliers = self.softmax if self.power is None else self.softmax / self.power
         self.safe_targets = targets.clamp(min=0)
 
-    def grad_e(self, gradient: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """dE from G (N, V)."""
-        grad_e = _float32_product(gradient, c).mul_(self.softmax[:, None])
+    def grad_e(self, product: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """dE from G C (float32 (N, D), :func:`_float32_product`; scaled in place)."""
+        grad_e = product.mul_(self.softmax[:, None])
         if self.onehot is not None:
             grad_e.addcmul_(self.onehot[:, None], c[self.safe_targets].float())
         return grad_e.to(dtype)
@@ -214,10 +267,12 @@ def dense_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse)`` from :func:`dense_forward`'s
     G (a None gradient counts as 0), each empty when not needed."""
+    # G C first: it needs no scale, and the host's work on the scales then overlaps it.
+    product = _float32_product(gradient, c) if needs_grad_e else None
     scales = _RowScales(targets, weight, grad_loss, grad_lse, c.shape[0], e.dtype)
     grad_e = grad_c = grad_bias = None
     if needs_grad_e:
-        grad_e = scales.grad_e(gradient, c, e.dtype)
+        grad_e = scales.grad_e(product, c, e.dtype)
     if needs_grad_c:
         scaled_e = scales.scaled_e(e)
         if scales.onehot is None:  # G's product alone: its output in e's dtype
@@ -240,21 +295,22 @@ def _dense_backward_fake(e, c, bias, targets, weight, gradient, grad_loss, grad_
             c.new_empty(bias.shape if needs_grad_c and bias is not None else (0,)))
 
 
-@torch.library.custom_op("cce::dense_backward_in_grad_c", mutates_args=("buffer",))
+@torch.library.custom_op("cce::dense_backward_in_grad_c", mutates_args=("buffer", "product"))
 @without_autocast
 def dense_backward_in_grad_c(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                              targets: torch.Tensor, weight: Optional[torch.Tensor],
-                             buffer: torch.Tensor, grad_loss: Optional[torch.Tensor],
-                             grad_lse: Optional[torch.Tensor], needs_grad_e: bool,
+                             buffer: torch.Tensor, product: Optional[torch.Tensor],
+                             grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dE, dbias), each empty when not needed, as :func:`dense_backward`, from G^T kept in
-    dC's ``buffer`` (:func:`dense_forward` with ``in_grad_c``), which receives dC (V * D,
-    flat): see the module's note for the order that keeps every row of G^T until it is read."""
+    dC's ``buffer`` and G C (:func:`dense_forward_in_grad_c`; None: no dE), which receive dC
+    (V * D, flat) and dE's float32 scaling: see the module's note for the order that keeps
+    every row of G^T until it is read."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     scales = _RowScales(targets, weight, grad_loss, grad_lse, vocab_size, e.dtype)
     gradient_t = _transposed_view(buffer, num_tokens, vocab_size)
-    grad_e = scales.grad_e(gradient_t.T, c, e.dtype) if needs_grad_e else e.new_empty(0)
+    grad_e = scales.grad_e(product, c, e.dtype) if product is not None else e.new_empty(0)
     grad_bias = (scales.grad_bias(gradient_t, bias.dtype) if bias is not None
                  else e.new_empty(0))
     scaled_e = scales.scaled_e(e)
@@ -290,19 +346,22 @@ def dense_backward_in_grad_c(e: torch.Tensor, c: torch.Tensor, bias: Optional[to
 
 
 @dense_backward_in_grad_c.register_fake
-def _dense_backward_in_grad_c_fake(e, c, bias, targets, weight, buffer, grad_loss, grad_lse,
-                                   needs_grad_e):
-    return (e.new_empty(e.shape if needs_grad_e else (0,)),
+def _dense_backward_in_grad_c_fake(e, c, bias, targets, weight, buffer, product, grad_loss,
+                                   grad_lse):
+    return (e.new_empty(e.shape if product is not None else (0,)),
             c.new_empty(bias.shape if bias is not None else (0,)))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, bias, targets, weight, _, in_grad_c = inputs
-    _, _, gradient = output
-    ctx.mark_non_differentiable(gradient)
+    # dense_forward's inputs, or the autograd.Function's, which add dC's buffer (or None).
+    e, c, bias, targets, weight, _, *buffer = inputs
+    buffer = buffer[0] if buffer else None
+    _, _, kept = output  # G (N, V), or G C (N, D) with G^T in dC's buffer
+    ctx.mark_non_differentiable(kept)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(e, c, bias, targets, weight, gradient)
-    ctx.in_grad_c = in_grad_c
+    ctx.in_grad_c = buffer is not None
+    ctx.save_for_backward(e, c, bias, targets, weight,
+                          *((buffer, kept) if ctx.in_grad_c else (kept, None)))
     ctx.consumed = False
 
 
@@ -312,19 +371,21 @@ def _backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.T
             "memory='fast' at this size kept the logits' gradient in dC's memory and the first "
             "backward wrote dC over it: a second backward through the same graph is not "
             "supported (call the loss again, or use memory='low')")
-    e, c, bias, targets, weight, gradient = ctx.saved_tensors
+    e, c, bias, targets, weight, gradient, product = ctx.saved_tensors
     needs_e, needs_c, needs_bias = ctx.needs_input_grad[:3]
     with torch.no_grad():
         if ctx.in_grad_c:
             ctx.consumed = True
             grad_e, grad_bias = dense_backward_in_grad_c(
-                e, c, bias, targets, weight, gradient, grad_loss, grad_lse, needs_grad_e=needs_e)
+                e, c, bias, targets, weight, gradient, product if needs_e else None,
+                grad_loss, grad_lse)
             grad_c = gradient.view(c.shape)
         else:
             grad_e, grad_c, grad_bias = dense_backward(
                 e, c, bias, targets, weight, gradient, grad_loss, grad_lse,
                 needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
-    del gradient  # the saved tensor's last reference but dC's: autograd may take dC as c.grad
+    # The saved tensors' last references but dC's: autograd may take dC as c.grad.
+    del gradient, product
     gradients = differentiable_once(
         [grad if needed else None
          for grad, needed in ((grad_e, needs_e), (grad_c, needs_c), (grad_bias, needs_bias))],
@@ -347,20 +408,30 @@ class _DenseLinearCrossEntropy(torch.autograd.Function):
     backward = staticmethod(_backward)
 
     @staticmethod
-    def forward(*inputs):
-        return dense_forward(*inputs)
+    def forward(e, c, bias, targets, weight, needs_grad, buffer):
+        if buffer is None:
+            return dense_forward(e, c, bias, targets, weight, needs_grad)
+        return dense_forward_in_grad_c(e, c, bias, targets, weight, buffer, e.requires_grad)
 
 
-def dense_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-               bias: Optional[torch.Tensor], weighting: LossWeighting,
-               layout: GradientLayout) -> TokenOutputs:
-    """The dense path's loss (the canonical inputs of :mod:`cce.loss`), G kept as ``layout``
-    (:func:`dense_layout`) says."""
-    if e.shape[0] == 0:
-        return tokenless_loss(e, c, bias)
-    needs_grad = needs_gradient(e, c, bias)
-    arguments = (e, c, bias if bias is None else bias.contiguous(), targets.contiguous(),
-                 weighting.weight, needs_grad, layout is GradientLayout.IN_GRAD_C)
-    loss, lse, _ = (_DenseLinearCrossEntropy.apply(*arguments) if needs_grad
-                    else dense_forward(*arguments))
-    return TokenOutputs(loss, lse)
+def start_dense_loss(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                     weighting: LossWeighting, layout: GradientLayout) -> StartedLoss:
+    """The dense path's loss as a function of the canonical targets (see :mod:`cce.loss`), G
+    kept as ``layout`` (:func:`dense_layout`) says; with G in dC's memory, dC's buffer and the
+    first logits are queued now (:func:`queue_first_logits`)."""
+    queued_before = buffer = None
+    if layout is GradientLayout.IN_GRAD_C:
+        queued_before = work_mark(e.device)
+        buffer = queue_first_logits(e, c)
+
+    def loss(targets: torch.Tensor) -> TokenOutputs:
+        if e.shape[0] == 0:
+            return tokenless_loss(e, c, bias)
+        needs_grad = needs_gradient(e, c, bias)
+        arguments = (e, c, bias if bias is None else bias.contiguous(), targets.contiguous(),
+                     weighting.weight, needs_grad)
+        loss, lse, _ = (_DenseLinearCrossEntropy.apply(*arguments, buffer) if needs_grad
+                        else dense_forward(*arguments))
+        return TokenOutputs(loss, lse)
+
+    return StartedLoss(loss, queued_before)
