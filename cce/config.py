@@ -51,7 +51,7 @@ class KernelConfigs:
     # The dense path's pass over a row of float32 logits (cce.dense.softmax_gradient).
     dense_rows: KernelConfig = KernelConfig(block_vocab=2048, num_warps=4)
     # Its tiles of G^T where G is kept in dC's memory (cce.dense.softmax_gradient).
-    dense_tiles: KernelConfig = KernelConfig(block_tokens=64, block_vocab=128, num_warps=8)
+    dense_tiles: KernelConfig = KernelConfig(block_tokens=128, block_vocab=64, num_warps=4)
 
     def __post_init__(self):
         grid = self.live_grid
