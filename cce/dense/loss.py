@@ -1,5 +1,5 @@
-"""The dense path as custom ops, ``cce::dense_forward`` and ``cce::dense_backward`` (or
-``cce::dense_backward_in_grad_c``).
+"""The dense path as custom ops, ``cce::dense_forward`` and ``cce::dense_backward`` (or, with G
+in dC's memory, ``cce::dense_forward_in_grad_c`` and ``cce::dense_backward_in_grad_c``).
 
 Forward, chunk by chunk of tokens: the chunk's float32 logits by cuBLAS (scratch of a bounded
 size, :func:`cce.config.dense_chunk_tokens`), then one pass (:mod:`cce.dense.softmax_gradient`)
