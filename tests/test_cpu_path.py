@@ -196,6 +196,40 @@ def test_no_tensor_larger_than_a_chunk_of_logits(device: str, gen: torch.Generat
     assert largest.numel <= max(CHUNK_TOKENS * V, V * dim) < num_tokens * V
 
 
+@with_chunking
+@pytest.mark.parametrize("options, recomputes", [
+    ({"label_smoothing": 0.1}, False), ({"softcap": 30.0}, True),
+    ({"return_entropy": True}, True)], ids=["smoothing", "softcap", "entropy"])
+@dtypes
+def test_memory_fast_keeps_the_softmax(options: dict, recomputes: bool, dtype: torch.dtype,
+                                       device: str, gen: torch.Generator,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """memory="fast" keeps the forward's softmax (N x V, float32) for the backward, which then
+    computes no logits: the same loss, lse and gradients to the bit, with a bias, class weights,
+    ignored tokens and an upstream gradient on the lse. With a softcap or the entropy, whose
+    gradients need the logits, the backward recomputes them as with memory="low"."""
+    inputs = make_inputs(gen, device, dtype, bias=True)
+    weight = torch.rand(V, generator=gen).to(device)
+    grad_output = make_grad_output(gen, inputs, "none")
+    grad_lse = torch.randn(inputs.targets.shape, generator=gen).to(device)
+    products = []
+    chunk_logits = chunked_torch._chunk_logits
+    monkeypatch.setattr(chunked_torch, "_chunk_logits",
+                        lambda *args: products.append(None) or chunk_logits(*args))
+    results = {}
+    for memory in ("low", "fast"):
+        products.clear()
+        results[memory] = run("cce_torch", inputs, grad_output, grad_lse, reduction="none",
+                              weight=weight, memory=memory, **options)
+        results[memory + " products"] = len(products)
+    chunks = math.ceil(N / chunked_torch.chunk_rows(V))
+    assert results["low products"] == 2 * chunks
+    assert results["fast products"] == (2 if recomputes else 1) * chunks
+    for name in ("loss", "lse", "grad_e", "grad_c", "grad_bias", "entropy"):
+        low, fast = getattr(results["low"], name), getattr(results["fast"], name)
+        assert (low is None and fast is None) or torch.equal(low, fast), name
+
+
 # --- Non-finite inputs, as in PyTorch --------------------------------------------------------
 
 

@@ -10,6 +10,10 @@ Asked for, each row's entropy and argmax come from the forward's chunks of logit
 extra pass; the entropy needs a second chunk-sized buffer, the softmax weights), and the
 backward adds the entropy's gradient to the same chunks (likewise with the probabilities).
 
+With ``memory="fast"`` (no softcap or entropy), the forward keeps each chunk's softmax, N x V in
+float32, and the backward scales it instead of recomputing the logits: three logit-sized
+matrix products instead of four, and the same results to the bit.
+
 The logits are products of float32 copies of the inputs (float64 for float64 inputs, whose
 loss and LSE are float64 too): a product of two 16-bit numbers is exact in float32, so only
 float32 accumulation error remains, as in the Triton kernels. A
@@ -19,11 +23,11 @@ float32 accumulation error remains, as in the Triton kernels. A
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
-from cce.autograd import differentiable_once, without_autocast
+from cce.autograd import differentiable_once, needs_gradient, without_autocast
 from cce.weighting import (LossWeighting, TokenOutputs, entropy_and_gradient_terms,
                            lse_and_cross_entropy, target_complement, target_entry)
 
@@ -41,11 +45,24 @@ def chunked_torch_loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     float32 (N,) (float64 for float64 inputs), on the device of the inputs, and with
     ``return_entropy`` / ``return_argmax`` each row's softmax entropy (same dtype) and int64
     argmax. Exact gradients, the entropy's included: of the other options, only ``softcap``
-    applies."""
-    loss, lse, entropy, argmax, _, _ = ChunkedLinearCrossEntropy.apply(
+    applies, and ``memory`` (see the module's note)."""
+    extras = Extras(options.return_entropy, options.return_argmax,
+                    keeps_softmax=(options.memory == "fast" and options.softcap is None
+                                   and not options.return_entropy
+                                   and needs_gradient(e, c, bias)))
+    loss, lse, entropy, argmax, *_ = ChunkedLinearCrossEntropy.apply(
         e, c, bias, targets, options.softcap, weighting.weight, weighting.label_smoothing,
-        options.return_entropy, options.return_argmax)
+        extras)
     return TokenOutputs(loss, lse, entropy, argmax)
+
+
+class Extras(NamedTuple):
+    """What :class:`ChunkedLinearCrossEntropy` computes beyond the loss and the LSE: each
+    row's entropy, its argmax, and the softmax kept for the backward (``memory="fast"``)."""
+
+    entropy: bool = False
+    argmax: bool = False
+    keeps_softmax: bool = False
 
 
 def compute_dtype(e: torch.Tensor) -> torch.dtype:
@@ -69,6 +86,13 @@ def _chunk_logits(e32: torch.Tensor, c32: torch.Tensor, bias32: Optional[torch.T
     return capped * softcap, capped
 
 
+def _softmax_shift(lse: torch.Tensor) -> torch.Tensor:
+    """(n, 1): what the softmax subtracts from each row's logits, its LSE; NaN where the LSE is
+    +inf, where PyTorch's softmax is NaN on the whole row (every logit minus an infinite
+    maximum), not only at the +inf logits."""
+    return lse.masked_fill(lse == math.inf, math.nan).unsqueeze(1)
+
+
 def _softmax_entropy(logits: torch.Tensor, lse: torch.Tensor,
                      has_target: torch.Tensor) -> torch.Tensor:
     """The entropy of each row's softmax, ``sum_v w_v (lse - z_v)`` with ``w = exp(z - lse)``,
@@ -87,20 +111,21 @@ def _softmax_entropy(logits: torch.Tensor, lse: torch.Tensor,
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Per-token loss and LSE, float32 (N,); with ``entropy`` each row's softmax entropy, else
-    None; with ``argmax`` each row's int64 argmax, else None; each row's ``1 - p_y``
-    (:func:`cce.weighting.target_complement`); and with ``entropy`` a float32 (2, N) of each
-    row's mean logit mu and the entropy's gradient at its target, ``p_y (z_y - mu)`` (0 without
-    a target; :func:`cce.weighting.entropy_and_gradient_terms`), else None (the last two for
-    the backward). Targets are canonical (int64, -1 = ignored). With ``setup_context``, so that
-    torch.func's transforms can differentiate it.
+    """Per-token loss and LSE, float32 (N,); with ``extras.entropy`` each row's softmax
+    entropy, else None; with ``extras.argmax`` each row's int64 argmax, else None; each row's
+    ``1 - p_y`` (:func:`cce.weighting.target_complement`); with ``extras.entropy`` a float32
+    (2, N) of each row's mean logit mu and the entropy's gradient at its target,
+    ``p_y (z_y - mu)`` (0 without a target; :func:`cce.weighting.entropy_and_gradient_terms`),
+    else None; and with ``extras.keeps_softmax`` the softmax, (N, V) in float32 (0 at the
+    targets), else None (the last three for the backward). Targets are canonical (int64, -1 =
+    ignored). With ``setup_context``, so that torch.func's transforms can differentiate it.
     """
 
     @staticmethod
     @without_autocast
     def forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, softcap: Optional[float], weight: Optional[torch.Tensor],
-                label_smoothing: float, entropy: bool = False, argmax: bool = False):
+                label_smoothing: float, extras: Extras = Extras()):
         compute = compute_dtype(e)
         c32, bias32 = c.to(compute), None if bias is None else bias.to(compute)
         num_tokens = e.shape[0]
@@ -111,9 +136,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # sum_v weight[v] * logit[v] of every row, for label smoothing (cce.weighting).
         logit_sum = torch.empty_like(other_lse) if label_smoothing else None
         # The entropy of each row's non-target logits under their own softmax.
-        other_entropy = torch.empty_like(other_lse) if entropy else None
-        row_argmax = torch.empty(num_tokens, dtype=torch.int64, device=e.device) if argmax \
-            else None
+        other_entropy = torch.empty_like(other_lse) if extras.entropy else None
+        row_argmax = torch.empty(num_tokens, dtype=torch.int64, device=e.device) \
+            if extras.argmax else None
+        softmax = torch.empty(num_tokens, c.shape[0], dtype=compute, device=e.device) \
+            if extras.keeps_softmax else None
         gather_index = targets.clamp(min=0).unsqueeze(1)  # ignored rows read column 0, unused
         has_target = (targets >= 0).unsqueeze(1)
         rows = chunk_rows(c.shape[0])
@@ -132,6 +159,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                             chunk_target_logit.masked_fill(has_target[chunk], -math.inf))
             chunk_other_lse = torch.logsumexp(logits, dim=1)
             other_lse[chunk] = chunk_other_lse
+            if softmax is not None:  # as the backward would recompute it (its target entry 0)
+                chunk_lse, _ = lse_and_cross_entropy(chunk_other_lse, target_logit[chunk],
+                                                     targets[chunk])
+                torch.sub(logits, _softmax_shift(chunk_lse), out=softmax[chunk]).exp_()
             if other_entropy is not None:
                 other_entropy[chunk] = _softmax_entropy(logits, chunk_other_lse,
                                                         has_target[chunk].squeeze(1))
@@ -144,24 +175,24 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             row_entropy, mean, target_term = entropy_and_gradient_terms(
                 other_entropy, other_lse, target_logit, lse, cross_entropy, complement, targets)
             entropy_terms = torch.stack([mean, target_term])
-        return loss, lse, row_entropy, row_argmax, complement, entropy_terms
+        return loss, lse, row_entropy, row_argmax, complement, entropy_terms, softmax
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        e, c, bias, targets, softcap, weight, label_smoothing, _, _ = inputs
-        _, lse, _, row_argmax, complement, entropy_terms = output
-        ctx.mark_non_differentiable(*(tensor for tensor in (row_argmax, complement, entropy_terms)
-                                      if tensor is not None))
+        e, c, bias, targets, softcap, weight, label_smoothing, _ = inputs
+        _, lse, _, row_argmax, complement, entropy_terms, softmax = output
+        ctx.mark_non_differentiable(*(tensor for tensor in (row_argmax, complement, entropy_terms,
+                                                            softmax) if tensor is not None))
         # Unused outputs' gradients stay None: an entropy nobody differentiates costs nothing.
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(e, c, bias, targets, lse, complement, weight, entropy_terms)
+        ctx.save_for_backward(e, c, bias, targets, lse, complement, weight, entropy_terms,
+                              softmax)
         ctx.softcap = softcap
         ctx.label_smoothing = label_smoothing
 
     @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
-                 grad_entropy: Optional[torch.Tensor], _grad_argmax, _grad_complement,
-                 _grad_entropy_terms):
+                 grad_entropy: Optional[torch.Tensor], *_):
         e, c, bias = ctx.saved_tensors[:3]
         with torch.no_grad():  # the in-place chunk arithmetic records no graph
             gradients = ChunkedLinearCrossEntropy._gradients(ctx, grad_loss, grad_lse,
@@ -169,14 +200,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Under create_graph=True, a gradient with no grad_fn would silently drop its part of a
         # term built on it (a gradient penalty): differentiating it raises instead.
         return differentiable_once(
-            gradients, (e, c, bias, grad_loss, grad_lse, grad_entropy)) + (None,) * 6
+            gradients, (e, c, bias, grad_loss, grad_lse, grad_entropy)) + (None,) * 5
 
     @staticmethod
     @without_autocast
     def _gradients(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
                    grad_entropy: Optional[torch.Tensor]):
         """(dE, dC, dbias), None where not needed; a None upstream gradient is 0."""
-        e, c, bias, targets, lse, complement, weight, entropy_terms = ctx.saved_tensors
+        e, c, bias, targets, lse, complement, weight, entropy_terms, softmax = ctx.saved_tensors
         needs_grad_e, needs_grad_c, needs_grad_bias = ctx.needs_input_grad[:3]
         compute = compute_dtype(e)
         if grad_loss is None:
@@ -210,9 +241,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             uniform_scale = uniform_scale.unsqueeze(1)
             uniform_weight = (torch.ones(c.shape[0], dtype=compute, device=c.device)
                               if weight is None else weight)
-        # The softmax is exp(logits - lse); where the lse is +inf, PyTorch's softmax is NaN on
-        # the whole row (every logit minus an infinite maximum), not only at the +inf logits.
-        softmax_shift = lse.masked_fill(lse == math.inf, math.nan).unsqueeze(1)
+        softmax_shift = _softmax_shift(lse)
         scatter_index = targets.clamp(min=0).unsqueeze(1)
 
         c32, bias32 = c.to(compute), None if bias is None else bias.to(compute)
@@ -225,15 +254,20 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, e.shape[0], rows):
             chunk = slice(start, start + rows)
             e32 = e[chunk].to(compute)
-            logits, capped = _chunk_logits(e32, c32, bias32, softcap)
-            if entropy_scale is None:
-                grad_logits = logits.sub_(softmax_shift[chunk]).exp_().mul_(prob_scale[chunk])
+            capped = None
+            if softmax is not None:  # kept by the forward (no softcap, no entropy)
+                grad_logits = softmax[chunk] * prob_scale[chunk]
             else:
-                probs = (logits - softmax_shift[chunk]).exp_()
-                # p_v (z_v - mu) first: 0 where p_v is 0, whatever the scale (-inf logits count
-                # as the lowest finite number, 0 * -inf being NaN).
-                grad_logits = logits.clamp_(min=lowest).sub_(mean[chunk]).mul_(probs)
-                grad_logits.mul_(entropy_scale[chunk]).addcmul_(probs, prob_scale[chunk])
+                logits, capped = _chunk_logits(e32, c32, bias32, softcap)
+                if entropy_scale is None:
+                    grad_logits = (logits.sub_(softmax_shift[chunk]).exp_()
+                                   .mul_(prob_scale[chunk]))
+                else:
+                    probs = (logits - softmax_shift[chunk]).exp_()
+                    # p_v (z_v - mu) first: 0 where p_v is 0, whatever the scale (-inf logits
+                    # count as the lowest finite number, 0 * -inf being NaN).
+                    grad_logits = logits.clamp_(min=lowest).sub_(mean[chunk]).mul_(probs)
+                    grad_logits.mul_(entropy_scale[chunk]).addcmul_(probs, prob_scale[chunk])
             at_target = grad_logits.gather(1, scatter_index[chunk])
             grad_logits.scatter_(1, scatter_index[chunk],
                                  torch.where(has_target[chunk], entry[chunk], at_target))
