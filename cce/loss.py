@@ -213,7 +213,9 @@ def linear_cross_entropy(
             ``e`` and ``c`` of one dtype, ``c`` trained), the same with that gradient kept in
             the memory dC will take (dC's buffer from the forward on; the backward writes dC
             over it, so a second backward through the graph raises). Otherwise
-            ``keep_tiles``. Kernels only.
+            ``keep_tiles``. On the chunked PyTorch path (CPU tensors, ``impl="cce_torch"``),
+            without softcap or entropy: the softmax kept from the forward (N x V float32),
+            not recomputed; the same results.
         vocab_parallel: with a classifier split over the vocabulary across the ranks of a
             process group, this rank's shard (:class:`cce.VocabParallelOptions`): ``c`` (and
             ``bias``) are rows ``[start, stop)`` of the full classifier, ``e`` and ``targets``
