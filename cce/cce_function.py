@@ -61,11 +61,11 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
     indexed dot, linear-log-sum-exp. Without recorded bounds, ``tile_bound`` is None; without
     sorting, the order and the row sum of ``c`` are. ``logit_sum``, ``curvature_sum``,
     ``class_weight``: see :func:`cce.forward.lse_forward.lse_forward`."""
-    order = row_sum = None
+    order = position_of = row_sum = None
     if plan.sorts:
-        order, row_sum = sort_vocabulary(e, c, bias, targets)
-    target_logit = indexed_dot(e, c, targets, bias, softcap)
-    left_out = leave_out_targets(targets, order, e.dtype, c.shape[0])
+        order, position_of, row_sum = sort_vocabulary(e, c, bias, targets)
+    left_out = leave_out_targets(targets, position_of, e.dtype, c.shape[0])
+    target_logit = indexed_dot(e, c, targets, bias, softcap, placement=left_out)
     other_entropy = torch.zeros_like(target_logit) if plan.entropy else None
     row_argmax = (torch.empty(targets.shape, dtype=torch.int64, device=e.device)
                   if plan.argmax else None)

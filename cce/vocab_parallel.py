@@ -210,15 +210,16 @@ class VocabParallelFunction(torch.autograd.Function):
                                needs_grad=needs_grad and holds_rows)
         # The order and the bounds are over the rows with a loss, wherever their target is:
         # sort_vocabulary and lse_forward only read which targets are ignored (-1).
-        order = row_sum = None
+        order = position_of = row_sum = None
         if plan.sorts:
-            order, row_sum = sort_vocabulary(e, c, bias, targets)
-        left_out = leave_out_targets(local_targets, order, e.dtype, c.shape[0])
+            order, position_of, row_sum = sort_vocabulary(e, c, bias, targets)
+        left_out = leave_out_targets(local_targets, position_of, e.dtype, c.shape[0])
         positions = left_out.positions
-        if holds_rows:
-            target_logit = indexed_dot(e, c, local_targets, bias, softcap)  # 0 off the shard
+        if holds_rows:  # the target logit is 0 off the shard
+            target_logit = indexed_dot(e, c, local_targets, bias, softcap, placement=left_out)
         else:
             target_logit = torch.zeros(e.shape[0], dtype=torch.float32, device=e.device)
+            positions.fill_(-1)
         dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
         # The LSE of the shard's logits off the target (cce.weighting): the sum over the
         # shards is the row's other logits' LSE. A shard of no rows has an LSE of -inf, an

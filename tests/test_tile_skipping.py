@@ -87,9 +87,12 @@ def _forward_with_bounds(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
                          leaves_out: bool = False):
     """(lse, tile_bound) as the loss's forward computes them (target logits first); with
     ``leaves_out``, the LSE of each row's other logits, as the loss asks for it."""
-    left_out = leave_out_targets(targets, order, e.dtype, c.shape[0]) if leaves_out else None
-    return lse_forward(e, c, None, None, targets, order, indexed_dot(e, c, targets, None, None),
-                       left_out=left_out, deterministic=deterministic)
+    # A permutation's inverse is its argsort.
+    position_of = None if order is None else torch.argsort(order).to(torch.int32)
+    left_out = leave_out_targets(targets, position_of, e.dtype, c.shape[0]) if leaves_out else None
+    target_logit = indexed_dot(e, c, targets, None, None, placement=left_out)
+    return lse_forward(e, c, None, None, targets, order, target_logit, left_out=left_out,
+                       deterministic=deterministic)
 
 
 def _rounding(e: torch.Tensor, c: torch.Tensor) -> float:

@@ -47,7 +47,7 @@ from cce.config import (cdiv, deterministic_head_blocks, forward_vocab_splits,
                         interpreting, kernel_configs, tma_copies_rows)
 from cce.logit_tile import (LOG2_E, finish_logits, holds_padding, logit_operands, logit_tile,
                             tile_product_by_descriptor, vocab_block_entries)
-from cce.forward.vocab_order import TileMarks, target_positions
+from cce.forward.vocab_order import TargetPlacement, TileMarks
 from cce.weighting import entropy_of_parts, first_largest
 
 ARGMAX_NONE = tl.constexpr(2**31 - 1)  # the index of no candidate yet: any index is smaller
@@ -430,18 +430,19 @@ def _descriptor_ready(x: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and tma_copies_rows(x))
 
 
-def leave_out_targets(targets: torch.Tensor, vocab_order: Optional[torch.Tensor],
-                      dtype: torch.dtype, vocab_size: int) -> LeftOut:
-    """What :func:`lse_forward`'s ``left_out`` takes to leave each row's target out of its
-    LSE: the targets' positions in the order and which of the forward's tiles (for ``dtype``'s
-    kernel settings) hold one, both from one launch (:func:`target_positions`)."""
+def leave_out_targets(targets: torch.Tensor, position_of: Optional[torch.Tensor],
+                      dtype: torch.dtype, vocab_size: int) -> TargetPlacement:
+    """Where the indexed dot (:func:`cce.forward.indexed_dot.indexed_dot`'s ``placement``)
+    writes what :func:`lse_forward`'s ``left_out`` takes to leave each row's target out of its
+    LSE: the targets' positions in the order (``position_of``: its inverse, None without
+    sorting) and which of the forward's tiles (for ``dtype``'s kernel settings) hold one."""
     config = kernel_configs(dtype).lse_forward
     num_vocab_blocks = cdiv(vocab_size, config.block_vocab)
     tiles = torch.zeros(cdiv(targets.shape[0], config.block_tokens) * num_vocab_blocks,
                         dtype=torch.int8, device=targets.device)
-    positions = target_positions(targets, vocab_order, TileMarks(
+    positions = torch.empty(targets.shape[0], dtype=torch.int32, device=targets.device)
+    return TargetPlacement(position_of, positions, TileMarks(
         tiles, config.block_tokens, config.block_vocab, num_vocab_blocks))
-    return LeftOut(positions, tiles)
 
 
 def _launches(num_token_blocks: int, num_vocab_blocks: int, device: torch.device,
@@ -466,7 +467,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 softcap: Optional[float], targets: torch.Tensor,
                 vocab_order: Optional[torch.Tensor],
                 target_logit: Optional[torch.Tensor] = None, *,
-                left_out: Optional[LeftOut] = None,
+                left_out: Optional[TargetPlacement] = None,
                 logit_sum: Optional[torch.Tensor] = None,
                 curvature_sum: Optional[torch.Tensor] = None,
                 class_weight: Optional[torch.Tensor] = None,
@@ -481,7 +482,8 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     non-ignored row (``targets >= 0``) is at most exp(its bound); -inf where a tile has no such row.
 
     ``left_out``: a position of the order (the vocabulary index without sorting) per row, -1
-    for none, with the tiles that hold one (:func:`leave_out_targets`): the LSE is then of the
+    for none, with the tiles that hold one (:func:`leave_out_targets`, placed by the indexed
+    dot): the LSE is then of the
     row's other logits. Given each row's target, it is the LSE of the non-target logits,
     ``log(sum_{j != t} exp(z_j))``, from which ``1 - p_t`` (a row's gradient at its target)
     comes with full relative precision, however sure the model is of the target:
@@ -559,7 +561,8 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             torch.logsumexp(split_lse[0, :launch.first_split], dim=0, out=head_lse)
         lse_forward_kernel[(num_token_blocks * launch.splits,)](
             logit_operands(e, c, bias, vocab_order, softcap), e_desc, c_desc, launch, bounds,
-            left_out or LeftOut(None, None), results,
+            LeftOut(None, None) if left_out is None
+            else LeftOut(left_out.positions, left_out.marks.tiles), results,
             LIVE_BLOCK_VOCAB=live_grid.block_vocab, BLOCK_TOKENS=config.block_tokens,
             BLOCK_VOCAB=config.block_vocab, BLOCK_DIM=config.block_dim,
             DOT_PRECISION=configs.dot_precision,
