@@ -1,6 +1,6 @@
 """Autograd plumbing shared by the paths: whether a backward follows, outputs of no tokens,
 gradients that are differentiable once and say so, functions that autocast must not touch, and
-the custom ops' vmap rule.
+the vmap rule of the custom ops and of the chunked PyTorch path's functions.
 
 A custom autograd function whose backward records no graph returns gradients without a
 ``grad_fn`` under ``create_graph=True``; a term built on them (a gradient penalty) would then
@@ -89,15 +89,23 @@ class _RaiseWhenDifferentiated(torch.autograd.Function):
             "not supported")
 
 
+def stacked_samples(function: Callable, batch_size: int, in_dims: "Sequence[Optional[int]]",
+                    args: Sequence, kwargs: Optional[dict] = None):
+    """``function`` on each sample in turn (each argument with a vmap dimension, per
+    ``in_dims``, selected at the sample), its outputs stacked along a new first dimension and
+    None outputs kept None: ``(outputs, out_dims)``, as a vmap rule returns them. The kernels
+    and the chunked PyTorch path take one batch of tokens, so this is what PyTorch's fallback
+    does, without its warning."""
+    # A non-tensor argument's dimension is None, or a tuple of Nones for a tuple.
+    samples = [function(*(arg.select(dim, index) if isinstance(dim, int) else arg
+                          for arg, dim in zip(args, in_dims)), **(kwargs or {}))
+               for index in range(batch_size)]
+    outputs = tuple(None if parts[0] is None else torch.stack(parts) for parts in zip(*samples))
+    return outputs, tuple(None if output is None else 0 for output in outputs)
+
+
 def vmap_sample_by_sample(op: torch._library.custom_ops.CustomOpDef) -> None:
     """Give the custom op ``op`` (which returns a tuple of tensors) a vmap rule: the op on each
-    sample in turn, its outputs stacked. The kernels take one batch of tokens, so this is what
-    PyTorch's fallback does, without its warning."""
-
-    def rule(info, in_dims, *args, **kwargs):
-        samples = [op(*(arg if dim is None else arg.select(dim, index)
-                        for arg, dim in zip(args, in_dims)), **kwargs)
-                   for index in range(info.batch_size)]
-        return tuple(torch.stack(outputs) for outputs in zip(*samples)), (0,) * len(samples[0])
-
-    op.register_vmap(rule)
+    sample in turn (:func:`stacked_samples`)."""
+    op.register_vmap(lambda info, in_dims, *args, **kwargs: stacked_samples(
+        op, info.batch_size, in_dims, args, kwargs))

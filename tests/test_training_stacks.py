@@ -200,14 +200,19 @@ def test_torch_func_grad_matches_autograd(device: str, gen: torch.Generator) -> 
     assert relative_error(grad_c, expected[1]) <= 1e-6
 
 
-def test_vmap_of_grad_gives_per_sample_gradients(device: str, gen: torch.Generator) -> None:
+@pytest.mark.parametrize("impl,memory", [("cce", "low"), ("cce_torch", "low"),
+                                         ("cce_torch", "fast")])
+def test_vmap_of_grad_gives_per_sample_gradients(device: str, gen: torch.Generator, impl: str,
+                                                 memory: str) -> None:
     """torch.func.vmap over a batch of sequences, here of per-sample gradients: the same as a
-    loop over the samples (the ops' vmap rules run them sample by sample), without PyTorch's
-    warning about a missing batching rule."""
+    loop over the samples (the vmap rules run them sample by sample), without PyTorch's
+    warning about a missing batching rule; on the kernels' path and on the chunked PyTorch
+    path (the CPU's), whose forward and backward write their chunks in place."""
     inputs = make_inputs(gen, device, torch.float32, shape=(BATCH, SEQ))
 
     def loss(e, c, targets):
-        return cce.linear_cross_entropy(e, c, targets, filter_eps=None)
+        return cce.linear_cross_entropy(e, c, targets, filter_eps=None, impl=impl,
+                                        memory=memory)
 
     per_sample = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(0, None, 0))
     with warnings.catch_warnings():

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
-from cce.autograd import differentiable_once, needs_gradient, without_autocast
+from cce.autograd import (differentiable_once, needs_gradient, stacked_samples,
+                          without_autocast)
 from cce.weighting import (LossWeighting, TokenOutputs, entropy_and_gradient_terms,
                            lse_and_cross_entropy, target_complement, target_entry)
 
@@ -191,36 +192,59 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.label_smoothing = label_smoothing
 
     @staticmethod
+    def vmap(info, in_dims, *args):
+        return stacked_samples(ChunkedLinearCrossEntropy.apply, info.batch_size, in_dims, args)
+
+    @staticmethod
     def backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
                  grad_entropy: Optional[torch.Tensor], *_):
         e, c, bias = ctx.saved_tensors[:3]
-        with torch.no_grad():  # the in-place chunk arithmetic records no graph
-            gradients = ChunkedLinearCrossEntropy._gradients(ctx, grad_loss, grad_lse,
-                                                             grad_entropy)
+        request = GradientRequest(tuple(ctx.needs_input_grad[:3]), ctx.softcap,
+                                  ctx.label_smoothing)
+        gradients = ChunkedGradients.apply(request, grad_loss, grad_lse, grad_entropy,
+                                           *ctx.saved_tensors)
         # Under create_graph=True, a gradient with no grad_fn would silently drop its part of a
         # term built on it (a gradient penalty): differentiating it raises instead.
         return differentiable_once(
             gradients, (e, c, bias, grad_loss, grad_lse, grad_entropy)) + (None,) * 5
 
+
+class GradientRequest(NamedTuple):
+    """What :class:`ChunkedGradients` computes: which of dE, dC, dbias, and the loss's
+    softcap and label smoothing."""
+
+    needs: "tuple[bool, bool, bool]"
+    softcap: Optional[float]
+    label_smoothing: float
+
+
+class ChunkedGradients(torch.autograd.Function):
+    """:class:`ChunkedLinearCrossEntropy`'s gradients (dE, dC, dbias; None where not needed;
+    a None upstream gradient is 0), from the upstream gradients and what its forward saved. A
+    function of its own so that torch.func.vmap over a backward (per-sample gradients) runs
+    it sample by sample: its chunks are written in place."""
+
     @staticmethod
     @without_autocast
-    def _gradients(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
-                   grad_entropy: Optional[torch.Tensor]):
-        """(dE, dC, dbias), None where not needed; a None upstream gradient is 0."""
-        e, c, bias, targets, lse, complement, weight, entropy_terms, softmax = ctx.saved_tensors
-        needs_grad_e, needs_grad_c, needs_grad_bias = ctx.needs_input_grad[:3]
+    def forward(request: GradientRequest, grad_loss: Optional[torch.Tensor],
+                grad_lse: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
+                e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                targets: torch.Tensor, lse: torch.Tensor, complement: torch.Tensor,
+                weight: Optional[torch.Tensor], entropy_terms: Optional[torch.Tensor],
+                softmax: Optional[torch.Tensor]):
+        needs_grad_e, needs_grad_c, needs_grad_bias = request.needs
         compute = compute_dtype(e)
         if grad_loss is None:
             grad_loss = torch.zeros_like(lse)
         if grad_lse is None:
             grad_lse = torch.zeros_like(lse)
-        softcap = ctx.softcap
+        softcap = request.softcap
         # d(loss * grad_loss + lse * grad_lse)/d(logits) = softmax * prob_scale off the target,
         # the target's entry at it, + uniform_scale * weight (cce.weighting); ignored rows only
         # have the lse's term. With the entropy's upstream gradient g, every entry adds
         # -g p_v (z_v - mu) (mu: the row's mean logit), the target's -g p_y (z_y - mu) from the
         # forward's exact form (cce.weighting.entropy_and_gradient_terms).
-        scales = LossWeighting(weight, ctx.label_smoothing).gradient_scales(
+        scales = LossWeighting(weight, request.label_smoothing).gradient_scales(
             grad_loss, targets, c.shape[0])
         scales = scales._replace(softmax=scales.softmax + grad_lse.to(compute))
         prob_scale = scales.softmax.unsqueeze(1)
@@ -284,3 +308,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_c = grad_c32.to(c.dtype) if needs_grad_c else None
         grad_bias = grad_bias32.to(bias.dtype) if needs_grad_bias else None
         return grad_e, grad_c, grad_bias
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        # Not differentiable (the caller's differentiable_once says so where it is asked).
+        ctx.mark_non_differentiable(*(grad for grad in output if grad is not None))
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return stacked_samples(ChunkedGradients.apply, info.batch_size, in_dims, args)
