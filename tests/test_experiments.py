@@ -317,3 +317,24 @@ def test_log_axes_are_labelled_with_plain_numbers() -> None:
     assert [label.get_text() for label in axis.get_yticklabels()] == [
         "30", "50", "70", "100", "150", "200", "300"]
     plt.close(figure)
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / ".git").exists(),
+                    reason="compares git revisions: needs a git checkout")
+def test_ab_compares_a_revision_with_the_tree_in_one_process(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m experiments.ab HEAD``: HEAD's package and a copy of the tree's, imported
+    beside the tree's under names of their own, give the tree's loss and gradients bit for bit
+    (the copy always; HEAD where the tree is committed), and each gets its median time, its
+    ratio to the tree and the host time of its forward call."""
+    from experiments import ab, harness
+
+    comparison = ab.main(["HEAD", "--shapes", "quick", "--rounds", "1", "--steps", "1"])["quick"]
+    assert set(comparison.bit_for_bit) == {"HEAD", ab.TREE_COPY}
+    assert comparison.bit_for_bit[ab.TREE_COPY] == [True, True, True]
+    assert set(comparison.medians) == {ab.TREE, "HEAD", ab.TREE_COPY}
+    assert all(median["ms"] > 0 and median["forward_host_ms"] > 0
+               for median in comparison.medians.values())
+    said = capsys.readouterr().err
+    assert "of the tree" in said and "bit for bit in deterministic mode" in said
+    assert (harness.INTERPRETER_CAVEAT in said) == (not harness.ON_GPU)

@@ -1,0 +1,203 @@
+"""``python -m experiments.ab [REV ...] [--shapes NAME ...] [--rounds R] [--steps S]
+[--option KEY=VALUE ...]``: cce's forward + backward at git revisions against the working tree,
+in one process, on the same inputs.
+
+Single benchmark runs move more than the changes they judge (docs/notes/measurement.md), so a
+change is judged against its base in one process: each revision's ``cce/`` (by ``git archive``)
+and a copy of the working tree's are imported under names of their own, ``cce_ab<i>``, their
+custom ops under the same namespace. Before timing, each one's loss, dE and dC in deterministic
+mode are compared with the tree's, bit for bit. Then rounds interleave the variants, their
+order reversed every other round; a round times ``--steps`` steps of each, every step from an
+idle GPU (CUDA events; wall time on CPU), and keeps their median. The report gives each
+variant's median over rounds, its ratio to the tree and the host time of its forward call; the
+tree's copy against the tree is the harness's own bias, the smallest difference worth reading.
+Inputs: the bench's shapes (:data:`experiments.bench.SHAPES`), LM-like synthetic at their
+sizes (real-data shapes too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import io
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+from experiments.bench import SHAPES, _synthetic_inputs
+from experiments.harness import (INTERPRETER_CAVEAT, ON_GPU, REPOSITORY, environment,
+                                 kernels_interpreted, log)
+
+TREE = "tree"
+TREE_COPY = "tree copy"
+# Where a package names itself: imports of its modules, its custom ops ("cce::..."), dynamic
+# imports ("cce.integrations"). A plain `import cce` (the integrations') keeps the tree's.
+_OWN_NAME = re.compile(r"""(\bfrom |\bimport |["']|torch\.ops\.)cce(?=\.|::| import)""")
+
+
+def renamed_copy(revision: str, name: str, root: Path) -> None:
+    """``cce/`` at ``revision`` (:data:`TREE`: the working tree) as the package ``name`` in
+    ``root``, every reference to its own name (and its custom ops' namespace) renamed."""
+    target = root / name
+    if revision == TREE:
+        shutil.copytree(REPOSITORY / "cce", target,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        git = subprocess.run(["git", "-C", str(REPOSITORY), "archive", revision, "cce"],
+                             capture_output=True)
+        if git.returncode:
+            raise ValueError(f"revision {revision!r}: git archive says "
+                             f"{git.stderr.decode().strip()}")
+        archive = git.stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            for member in tar.getmembers():
+                member.name = member.name.partition("/")[2] or "."
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(target, **safe)
+    for path in target.rglob("*.py"):
+        path.write_text(_OWN_NAME.sub(lambda match: match.group(1) + name, path.read_text()))
+
+
+def variants(revisions: Sequence[str], root: Path) -> "dict[str, Any]":
+    """Label -> imported package: the tree itself, each revision, and the tree's copy. Names
+    new to the process: a custom op's namespace can be registered once."""
+    packages = {TREE: importlib.import_module("cce")}
+    if Path(packages[TREE].__file__).resolve().parents[1] != REPOSITORY:
+        raise ValueError(f"the cce imported ({packages[TREE].__file__}) is not this "
+                         f"repository's working tree ({REPOSITORY}): install it with "
+                         "`pip install -e .`")
+    sys.path.insert(0, str(root))
+    token = uuid.uuid4().hex[:8]
+    for index, revision in enumerate([*revisions, TREE]):
+        name = f"cce_ab{token}_{index}"
+        renamed_copy(revision, name, root)
+        packages[TREE_COPY if index == len(revisions) else revision] = (
+            importlib.import_module(name))
+    return packages
+
+
+def _step(package: Any, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+          options: "dict[str, Any]") -> "tuple[float, float]":
+    """(ms of forward + backward from an idle device, host ms of the forward call)."""
+    e.grad = c.grad = None
+    if ON_GPU:
+        torch.cuda.synchronize()
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+    began = time.perf_counter()
+    loss = package.linear_cross_entropy(e, c, targets, **options)
+    forward_host = time.perf_counter() - began
+    loss.backward()
+    if not ON_GPU:
+        return (time.perf_counter() - began) * 1e3, forward_host * 1e3
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), forward_host * 1e3
+
+
+def bitwise_equal(packages: "dict[str, Any]", e: torch.Tensor, c: torch.Tensor,
+                  targets: torch.Tensor, options: "dict[str, Any]") -> "dict[str, list[bool]]":
+    """Per variant, whether its (loss, dE, dC) with ``options`` are the tree's bits (dC None
+    where ``c`` is frozen). Deterministic mode is the caller's to ask for."""
+    results = {}
+    for label, package in packages.items():
+        e.grad = c.grad = None
+        loss = package.linear_cross_entropy(e, c, targets, **options)
+        loss.backward()
+        results[label] = [loss.detach().clone(), e.grad.clone(),
+                          None if c.grad is None else c.grad.clone()]
+    tree = results[TREE]
+    return {label: [(a is None and b is None) or (a is not None and b is not None
+                                                 and torch.equal(a, b))
+                    for a, b in zip(outputs, tree)]
+            for label, outputs in results.items() if label != TREE}
+
+
+class Comparison(NamedTuple):
+    """One shape's A/B: per variant other than the tree, whether its (loss, dE, dC) are the
+    tree's bits; per variant, its median ms of forward + backward and of the forward call's
+    host time."""
+
+    bit_for_bit: "dict[str, list[bool]]"
+    medians: "dict[str, dict[str, float]]"
+
+
+def compare(packages: "dict[str, Any]", shape_name: str, rounds: int, steps: int,
+            options: "dict[str, Any]", report: Callable[[str], None] = print) -> Comparison:
+    """Time every variant at one shape (module docstring); report and return the results."""
+    shape = SHAPES[shape_name]
+    e, c, targets = _synthetic_inputs(shape, shape.ignored_fraction)
+    try:
+        checked, how = {**options, "deterministic": True}, "in deterministic mode"
+        equal = bitwise_equal(packages, e, c, targets, checked)
+    except ValueError:  # options that deterministic mode does not take
+        checked, how = options, "(not deterministic: bits may differ between runs)"
+        equal = bitwise_equal(packages, e, c, targets, checked)
+    for label, same in equal.items():
+        report(f"{shape_name}: {label} == tree bit for bit {how} (loss, dE, dC): {same}")
+    for package in packages.values():  # compiled and warm
+        _step(package, e, c, targets, options)
+    times: "dict[str, list[float]]" = {label: [] for label in packages}
+    host: "dict[str, list[float]]" = {label: [] for label in packages}
+    order = list(packages.items())
+    for round_index in range(rounds):
+        for label, package in (order if round_index % 2 == 0 else order[::-1]):
+            samples = [_step(package, e, c, targets, options) for _ in range(steps)]
+            times[label].append(statistics.median(sample[0] for sample in samples))
+            host[label].append(statistics.median(sample[1] for sample in samples))
+    medians = {label: {"ms": statistics.median(times[label]),
+                       "forward_host_ms": statistics.median(host[label])} for label in packages}
+    tree_ms = medians[TREE]["ms"]
+    for label, median in medians.items():
+        report(f"{shape_name}: {label:>12}  {median['ms']:9.3f} ms  "
+               f"{median['ms'] / tree_ms:6.3f} of the tree  forward call's host time "
+               f"{median['forward_host_ms']:.3f} ms")
+    return Comparison(equal, medians)
+
+
+def _option(text: str) -> "tuple[str, Any]":
+    key, _, value = text.partition("=")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value  # a plain string: memory=fast
+
+
+def main(argv: "Sequence[str] | None" = None) -> "dict[str, Comparison]":
+    parser = argparse.ArgumentParser(prog="python -m experiments.ab", description=(
+        "cce's fwd+bwd at git revisions against the working tree, in one process"))
+    parser.add_argument("revisions", nargs="*", help="git revisions to compare with the tree")
+    parser.add_argument("--shapes", nargs="+", default=["llama3_8b_n1024"] if ON_GPU
+                        else ["quick"], choices=sorted(SHAPES), metavar="NAME",
+                        help="the bench's shapes (default: llama3_8b_n1024; quick on CPU)")
+    parser.add_argument("--rounds", type=int, default=10 if ON_GPU else 2)
+    parser.add_argument("--steps", type=int, default=10 if ON_GPU else 1,
+                        help="steps per variant and round (their median is the round's)")
+    parser.add_argument("--option", type=_option, action="append", default=[],
+                        metavar="KEY=VALUE", help="a loss option for every variant")
+    args = parser.parse_args(argv)
+    env = environment()
+    log(f"{env['device']} · torch {env['torch']} · triton {env['triton']} · {env['date']} · "
+        f"options {dict(args.option)} · {args.rounds} rounds of {args.steps} steps")
+    if kernels_interpreted(env):
+        log(INTERPRETER_CAVEAT)
+    with tempfile.TemporaryDirectory() as root:
+        packages = variants(args.revisions, Path(root))
+        return {shape: compare(packages, shape, args.rounds, args.steps, dict(args.option),
+                               report=log)
+                for shape in args.shapes}
+
+
+if __name__ == "__main__":
+    main()
