@@ -1,6 +1,6 @@
 """``python -m experiments.ab [REV ...] [--shapes NAME ...] [--rounds R] [--steps S]
-[--option KEY=VALUE ...]``: cce's forward + backward at git revisions against the working tree,
-in one process, on the same inputs.
+[--option KEY=VALUE ...] [--kernels N]``: cce's forward + backward at git revisions against the
+working tree, in one process, on the same inputs.
 
 Single benchmark runs move more than the changes they judge (docs/notes/measurement.md), so a
 change is judged against its base in one process: each revision's ``cce/`` (by ``git archive``)
@@ -11,6 +11,9 @@ order reversed every other round; a round times ``--steps`` steps of each, every
 idle GPU (CUDA events; wall time on CPU), and keeps their median. The report gives each
 variant's median over rounds, its ratio to the tree and the host time of its forward call; the
 tree's copy against the tree is the harness's own bias, the smallest difference worth reading.
+With ``--kernels N``, the profiler then records ``--steps`` steps of each variant per round,
+the variants alternating as above, and the report adds the N kernels that take the tree most
+time: each variant's median ms per step in each (on CPU: PyTorch's operations, self time).
 Inputs: the bench's shapes (:data:`experiments.bench.SHAPES`), LM-like synthetic at their
 sizes (real-data shapes too).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import importlib
 import io
 import re
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from experiments.bench import SHAPES, _synthetic_inputs
 from experiments.harness import (INTERPRETER_CAVEAT, ON_GPU, REPOSITORY, environment,
@@ -44,6 +49,7 @@ TREE_COPY = "tree copy"
 # Where a package names itself: imports of its modules, its custom ops ("cce::..."), dynamic
 # imports ("cce.integrations"). A plain `import cce` (the integrations') keeps the tree's.
 _OWN_NAME = re.compile(r"""(\bfrom |\bimport |["']|torch\.ops\.)cce(?=\.|::| import)""")
+_COPY_NAMESPACE = re.compile(r"\bcce_ab[0-9a-f]+_[0-9]+::")
 
 
 def renamed_copy(revision: str, name: str, root: Path) -> None:
@@ -124,17 +130,37 @@ def bitwise_equal(packages: "dict[str, Any]", e: torch.Tensor, c: torch.Tensor,
             for label, outputs in results.items() if label != TREE}
 
 
+def kernel_times(package: Any, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                 options: "dict[str, Any]", steps: int) -> "dict[str, float]":
+    """Kernel name -> ms per step over ``steps`` profiled steps (on CPU: each operation's
+    self time)."""
+    activity = ProfilerActivity.CUDA if ON_GPU else ProfilerActivity.CPU
+    with profile(activities=[activity]) as profiler:
+        for _ in range(steps):
+            _step(package, e, c, targets, options)
+    device = torch.autograd.DeviceType.CUDA if ON_GPU else torch.autograd.DeviceType.CPU
+    totals: "dict[str, float]" = collections.defaultdict(float)
+    for event in profiler.events():
+        if event.device_type == device:
+            microseconds = event.device_time if ON_GPU else event.self_cpu_time_total
+            # A copy's custom ops under the tree's namespace, so that the variants line up.
+            totals[_COPY_NAMESPACE.sub("cce::", event.name)] += microseconds / 1e3 / steps
+    return dict(totals)
+
+
 class Comparison(NamedTuple):
     """One shape's A/B: per variant other than the tree, whether its (loss, dE, dC) are the
     tree's bits; per variant, its median ms of forward + backward and of the forward call's
-    host time."""
+    host time; with ``--kernels``, per variant, kernel name -> median ms per step."""
 
     bit_for_bit: "dict[str, list[bool]]"
     medians: "dict[str, dict[str, float]]"
+    kernels: "dict[str, dict[str, float]]"
 
 
 def compare(packages: "dict[str, Any]", shape_name: str, rounds: int, steps: int,
-            options: "dict[str, Any]", report: Callable[[str], None] = print) -> Comparison:
+            options: "dict[str, Any]", report: Callable[[str], None] = print,
+            kernels: int = 0) -> Comparison:
     """Time every variant at one shape (module docstring); report and return the results."""
     shape = SHAPES[shape_name]
     e, c, targets = _synthetic_inputs(shape, shape.ignored_fraction)
@@ -150,12 +176,10 @@ def compare(packages: "dict[str, Any]", shape_name: str, rounds: int, steps: int
         _step(package, e, c, targets, options)
     times: "dict[str, list[float]]" = {label: [] for label in packages}
     host: "dict[str, list[float]]" = {label: [] for label in packages}
-    order = list(packages.items())
-    for round_index in range(rounds):
-        for label, package in (order if round_index % 2 == 0 else order[::-1]):
-            samples = [_step(package, e, c, targets, options) for _ in range(steps)]
-            times[label].append(statistics.median(sample[0] for sample in samples))
-            host[label].append(statistics.median(sample[1] for sample in samples))
+    for label, package in _interleaved(packages, rounds):
+        samples = [_step(package, e, c, targets, options) for _ in range(steps)]
+        times[label].append(statistics.median(sample[0] for sample in samples))
+        host[label].append(statistics.median(sample[1] for sample in samples))
     medians = {label: {"ms": statistics.median(times[label]),
                        "forward_host_ms": statistics.median(host[label])} for label in packages}
     tree_ms = medians[TREE]["ms"]
@@ -163,7 +187,36 @@ def compare(packages: "dict[str, Any]", shape_name: str, rounds: int, steps: int
         report(f"{shape_name}: {label:>12}  {median['ms']:9.3f} ms  "
                f"{median['ms'] / tree_ms:6.3f} of the tree  forward call's host time "
                f"{median['forward_host_ms']:.3f} ms")
-    return Comparison(equal, medians)
+    return Comparison(equal, medians, _kernel_report(
+        packages, e, c, targets, options, rounds, steps, kernels, shape_name, report)
+        if kernels else {})
+
+
+def _interleaved(packages: "dict[str, Any]", rounds: int) -> "list[tuple[str, Any]]":
+    """Every variant once per round, the order reversed every other round."""
+    order = list(packages.items())
+    return [item for index in range(rounds) for item in (order if index % 2 == 0
+                                                          else order[::-1])]
+
+
+def _kernel_report(packages: "dict[str, Any]", e: torch.Tensor, c: torch.Tensor,
+                   targets: torch.Tensor, options: "dict[str, Any]", rounds: int, steps: int,
+                   count: int, shape_name: str, report: Callable[[str], None]
+                   ) -> "dict[str, dict[str, float]]":
+    """Profiled rounds (module docstring); report the ``count`` kernels that take the tree most
+    time and return every kernel's median ms per step, per variant."""
+    samples: "dict[str, list[dict[str, float]]]" = {label: [] for label in packages}
+    for label, package in _interleaved(packages, rounds):
+        samples[label].append(kernel_times(package, e, c, targets, options, steps))
+    medians = {label: {name: statistics.median(sample.get(name, 0.0) for sample in runs)
+                       for name in set().union(*runs)} for label, runs in samples.items()}
+    tree = medians[TREE]
+    report(f"{shape_name}: ms per step, median of {rounds} profiled rounds of {steps} steps: "
+           + ", ".join(packages))
+    for name in sorted(tree, key=tree.get, reverse=True)[:count]:
+        times = "  ".join(f"{medians[label].get(name, 0.0):8.3f}" for label in packages)
+        report(f"{shape_name}: {times}  {name[:70]}")
+    return medians
 
 
 def _option(text: str) -> "tuple[str, Any]":
@@ -186,6 +239,9 @@ def main(argv: "Sequence[str] | None" = None) -> "dict[str, Comparison]":
                         help="steps per variant and round (their median is the round's)")
     parser.add_argument("--option", type=_option, action="append", default=[],
                         metavar="KEY=VALUE", help="a loss option for every variant")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="then profile the variants, alternating, and report the N "
+                        "kernels that take the tree most time")
     args = parser.parse_args(argv)
     env = environment()
     log(f"{env['device']} · torch {env['torch']} · triton {env['triton']} · {env['date']} · "
@@ -195,7 +251,7 @@ def main(argv: "Sequence[str] | None" = None) -> "dict[str, Comparison]":
     with tempfile.TemporaryDirectory() as root:
         packages = variants(args.revisions, Path(root))
         return {shape: compare(packages, shape, args.rounds, args.steps, dict(args.option),
-                               report=log)
+                               report=log, kernels=args.kernels)
                 for shape in args.shapes}
 
 

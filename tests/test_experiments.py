@@ -323,18 +323,24 @@ def test_log_axes_are_labelled_with_plain_numbers() -> None:
                     reason="compares git revisions: needs a git checkout")
 def test_ab_compares_a_revision_with_the_tree_in_one_process(
         capsys: pytest.CaptureFixture[str]) -> None:
-    """``python -m experiments.ab HEAD``: HEAD's package and a copy of the tree's, imported
-    beside the tree's under names of their own, give the tree's loss and gradients bit for bit
-    (the copy always; HEAD where the tree is committed), and each gets its median time, its
-    ratio to the tree and the host time of its forward call."""
+    """``python -m experiments.ab HEAD --kernels 3``: HEAD's package and a copy of the tree's,
+    imported beside the tree's under names of their own, give the tree's loss and gradients bit
+    for bit (the copy always; HEAD where the tree is committed), and each gets its median time,
+    its ratio to the tree, the host time of its forward call and its time per kernel, the
+    copies' custom ops named as the tree's."""
     from experiments import ab, harness
 
-    comparison = ab.main(["HEAD", "--shapes", "quick", "--rounds", "1", "--steps", "1"])["quick"]
+    comparison = ab.main(["HEAD", "--shapes", "quick", "--rounds", "1", "--steps", "1",
+                          "--kernels", "3"])["quick"]
     assert set(comparison.bit_for_bit) == {"HEAD", ab.TREE_COPY}
     assert comparison.bit_for_bit[ab.TREE_COPY] == [True, True, True]
     assert set(comparison.medians) == {ab.TREE, "HEAD", ab.TREE_COPY}
     assert all(median["ms"] > 0 and median["forward_host_ms"] > 0
                for median in comparison.medians.values())
+    assert set(comparison.kernels) == set(comparison.medians)
+    busiest = max(comparison.kernels[ab.TREE], key=comparison.kernels[ab.TREE].get)
+    assert comparison.kernels[ab.TREE_COPY].get(busiest, 0.0) > 0
     said = capsys.readouterr().err
     assert "of the tree" in said and "bit for bit in deterministic mode" in said
+    assert busiest[:70] in said
     assert (harness.INTERPRETER_CAVEAT in said) == (not harness.ON_GPU)
