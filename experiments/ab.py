@@ -172,8 +172,9 @@ def compare(packages: "dict[str, Any]", shape_name: str, rounds: int, steps: int
         equal = bitwise_equal(packages, e, c, targets, checked)
     for label, same in equal.items():
         report(f"{shape_name}: {label} == tree bit for bit {how} (loss, dE, dC): {same}")
-    for package in packages.values():  # compiled and warm
-        _step(package, e, c, targets, options)
+    if ON_GPU:  # compiled and warm (the interpreter compiles nothing)
+        for package in packages.values():
+            _step(package, e, c, targets, options)
     times: "dict[str, list[float]]" = {label: [] for label in packages}
     host: "dict[str, list[float]]" = {label: [] for label in packages}
     for label, package in _interleaved(packages, rounds):
