@@ -42,7 +42,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from experiments.bench import SHAPES, _synthetic_inputs
 from experiments.harness import (INTERPRETER_CAVEAT, ON_GPU, REPOSITORY, environment,
-                                 kernels_interpreted, log)
+                                 kernels_interpreted, log, progress)
 
 TREE = "tree"
 TREE_COPY = "tree copy"
@@ -177,7 +177,8 @@ def compare(packages: "dict[str, Any]", shape_name: str, rounds: int, steps: int
             _step(package, e, c, targets, options)
     times: "dict[str, list[float]]" = {label: [] for label in packages}
     host: "dict[str, list[float]]" = {label: [] for label in packages}
-    for label, package in _interleaved(packages, rounds):
+    for label, package in progress(_interleaved(packages, rounds), f"{shape_name} rounds",
+                                   leave=False):
         samples = [_step(package, e, c, targets, options) for _ in range(steps)]
         times[label].append(statistics.median(sample[0] for sample in samples))
         host[label].append(statistics.median(sample[1] for sample in samples))
@@ -207,7 +208,8 @@ def _kernel_report(packages: "dict[str, Any]", e: torch.Tensor, c: torch.Tensor,
     """Profiled rounds (module docstring); report the ``count`` kernels that take the tree most
     time and return every kernel's median ms per step, per variant."""
     samples: "dict[str, list[dict[str, float]]]" = {label: [] for label in packages}
-    for label, package in _interleaved(packages, rounds):
+    for label, package in progress(_interleaved(packages, rounds),
+                                   f"{shape_name} profiled rounds", leave=False):
         samples[label].append(kernel_times(package, e, c, targets, options, steps))
     medians = {label: {name: statistics.median(sample.get(name, 0.0) for sample in runs)
                        for name in set().union(*runs)} for label, runs in samples.items()}
