@@ -5,6 +5,9 @@ Every experiment is a module with ``run(quick: bool, out_dir: Path) -> WrittenRe
 :mod:`experiments.harness`) that writes ``<out_dir>/<name>.json`` and ``<out_dir>/<name>.md``.
 Registering one is one line below. Modules are imported only when run, so an experiment's
 optional dependencies (transformers, matplotlib, ...) are needed only by that experiment.
+Beside them, tools with a command line of their own: ``experiments.ab`` (cce at git revisions
+against the working tree, in one process), ``experiments.tp_bench`` and
+``experiments.fsdp_finetune`` (several GPUs).
 
 On a machine without CUDA the experiments measure cce's Triton kernels in Triton's CPU
 interpreter, which must be turned on before anything imports triton. Importing this package
