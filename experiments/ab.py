@@ -60,8 +60,11 @@ def renamed_copy(revision: str, name: str, root: Path) -> None:
         shutil.copytree(REPOSITORY / "cce", target,
                         ignore=shutil.ignore_patterns("__pycache__"))
     else:
-        git = subprocess.run(["git", "-C", str(REPOSITORY), "archive", revision, "cce"],
-                             capture_output=True)
+        try:
+            git = subprocess.run(["git", "-C", str(REPOSITORY), "archive", revision, "cce"],
+                                 capture_output=True)
+        except FileNotFoundError:
+            raise ValueError("comparing revisions needs git on the PATH") from None
         if git.returncode:
             raise ValueError(f"revision {revision!r}: git archive says "
                              f"{git.stderr.decode().strip()}")
