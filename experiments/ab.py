@@ -4,18 +4,18 @@ working tree, in one process, on the same inputs.
 
 Single benchmark runs move more than the changes they judge (docs/notes/measurement.md), so a
 change is judged against its base in one process: each revision's ``cce/`` (by ``git archive``)
-and a copy of the working tree's are imported under names of their own, ``cce_ab<i>``, their
-custom ops under the same namespace. Before timing, each one's loss, dE and dC in deterministic
-mode are compared with the tree's, bit for bit. Then rounds interleave the variants, their
-order reversed every other round; a round times ``--steps`` steps of each, every step from an
-idle GPU (CUDA events; wall time on CPU), and keeps their median. The report gives each
-variant's median over rounds, its ratio to the tree and the host time of its forward call; the
-tree's copy against the tree is the harness's own bias, the smallest difference worth reading.
-With ``--kernels N``, the profiler then records ``--steps`` steps of each variant per round,
-the variants alternating as above, and the report adds the N kernels that take the tree most
-time: each variant's median ms per step in each (on CPU: PyTorch's operations, self time).
-Inputs: the bench's shapes (:data:`experiments.bench.SHAPES`), LM-like synthetic at their
-sizes (real-data shapes too).
+and a copy of the working tree's are imported under names of their own (``cce_ab<token>_<i>``),
+their custom ops under the same namespace. Before timing, each one's loss, dE and dC in
+deterministic mode are compared with the tree's, bit for bit. Then rounds interleave the
+variants, their order reversed every other round; a round times ``--steps`` steps of each, every
+step from an idle GPU (CUDA events; wall time on CPU), and keeps their median. The report gives
+each variant's median over rounds, its ratio to the tree and the host time of its forward call;
+the tree's copy against the tree is the harness's own bias, the smallest difference worth
+reading. With ``--kernels N``, the profiler then records ``--steps`` steps of each variant per
+round, the variants alternating as above, and the report adds the N kernels that take the tree
+most time: each variant's median ms per step in each (on CPU: PyTorch's operations, self time).
+Inputs: the bench's shapes (:data:`experiments.bench.SHAPES`), LM-like synthetic at their sizes
+(real-data shapes too).
 """
 
 from __future__ import annotations
@@ -234,6 +234,7 @@ def _option(text: str) -> "tuple[str, Any]":
 
 
 def main(argv: "Sequence[str] | None" = None) -> "dict[str, Comparison]":
+    """The command line (module docstring); each shape's :class:`Comparison`."""
     parser = argparse.ArgumentParser(prog="python -m experiments.ab", description=(
         "cce's fwd+bwd at git revisions against the working tree, in one process"))
     parser.add_argument("revisions", nargs="*", help="git revisions to compare with the tree")
