@@ -8,8 +8,9 @@ shape with a frozen classifier (``gemma2_2b_frozen``: ``c.requires_grad=False``,
 the backward computes dE only). For each method: forward, backward (after an untimed forward)
 and forward+backward time, peak memory above the inputs (forward under ``torch.no_grad`` and
 with gradients, backward alone, forward+backward), and the relative error of the loss, dE and
-dC against a float64 reference. One GEMM ``e @ c.T`` of the same shape is the yardstick; the
-softmax's sparsity statistics are printed and stored per shape.
+dC against a float64 reference; for cce's kernels, the backward that the plan chose (one pass,
+two passes, dense: :func:`backward_path`). One GEMM ``e @ c.T`` of the same shape is the
+yardstick; the softmax's sparsity statistics are printed and stored per shape.
 
 Methods: ``cce`` and its ablations, the ``torch``, ``torch_compile`` and ``chunked`` baselines
 (the variants of :mod:`experiments.compare_impls`), ``cce`` with label smoothing, with
@@ -434,6 +435,9 @@ def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
         "errors": "||x - x64|| / ||x64|| against a float64 reference computed in token "
                   "chunks from the same bfloat16 inputs, reduction='mean', of the row's own "
                   "loss (with its label smoothing, z_loss, temperature or entropy bonus)",
+        "backward_path": "the backward that cce's plan chose for the row, from one untimed "
+                         "call: one pass, two passes (pass 1 in slots or in whole rows), dE "
+                         "alone (frozen classifier), or dense (memory='fast')",
         "l2_cache_mb": l2_cache_mb,
     }
     if measured is not None:
@@ -754,13 +758,45 @@ def _measure(method: Method, shape: Shape, e: torch.Tensor, c: torch.Tensor,
             return {"skipped": reason}
     if shape.ignored_removed:
         loss_fn = remove_ignored_tokens(loss_fn, targets)
-    return measure_loss(loss_fn, e, c, targets, reference, asdict(how))
+    row = measure_loss(loss_fn, e, c, targets, reference, asdict(how))
+    if method.cce_kernels and "error" not in row:
+        row["backward_path"] = backward_path(loss_fn, e, c, targets)
+    return row
+
+
+def backward_path(loss_fn: Loss, e: torch.Tensor, c: torch.Tensor,
+                  targets: torch.Tensor) -> str:
+    """Which backward a cce call takes here, from one untimed forward + backward: the tile
+    backward's plan in words (:attr:`cce.backward.plan.BackwardPlan.path`), "dense" (the
+    dense path of ``memory="fast"``), "chunked PyTorch", or :data:`MISSING`."""
+    from cce.backward import plan
+
+    with plan.forced() as plans:
+        loss = loss_fn(e, c, targets)
+        functions = _functions_in_graph(loss.grad_fn, set())
+        torch.autograd.grad(loss, (e, c) if c.requires_grad else (e,))
+    tile_plans = [made for made in plans if isinstance(made, plan.BackwardPlan)]
+    if tile_plans:
+        return tile_plans[0].path
+    if any("Dense" in name for name in functions):
+        return "dense"
+    return "chunked PyTorch" if any("Chunked" in name for name in functions) else MISSING
+
+
+def _functions_in_graph(node: Any, seen: "set[Any]") -> "set[str]":
+    """The class names of ``node`` and of every autograd node it reaches."""
+    if node is None or node in seen:
+        return set()
+    seen.add(node)
+    return {type(node).__name__}.union(*(_functions_in_graph(parent, seen)
+                                         for parent, _ in node.next_functions))
 
 
 # The result table's columns, in this order (a row has those it measured).
 COLUMNS = ("shape", "method", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_peak_mb", "fwd_grad_peak_mb",
            "bwd_peak_mb", "fwd_bwd_peak_mb", "speedup_vs_compile", "fwd_vs_gemm",
-           "fwd_bwd_vs_gemm", "loss_rel_err", "de_rel_err", "dc_rel_err", "skipped", "error")
+           "fwd_bwd_vs_gemm", "loss_rel_err", "de_rel_err", "dc_rel_err", "backward_path",
+           "skipped", "error")
 
 
 def _with_ratios(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]]

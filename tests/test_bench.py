@@ -74,6 +74,12 @@ def test_quick_mode_writes_a_finite_row_for_every_method(
             assert math.isfinite(row[column]) and row[column] < 0.05, (row["method"], column)
         for column in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "speedup_vs_compile", "fwd_vs_gemm"):
             assert row[column] > 0, (row["method"], column)
+    # The backward that the plan chose, for the rows of cce's kernels only.
+    paths = {(row["shape"], row["method"]): row.get("backward_path") for row in measured}
+    assert paths[("quick", "cce (keep_tiles=True)")] == "one pass"
+    assert paths[("quick", "cce (memory='fast')")] == "dense"
+    assert paths[("quick_frozen", "cce")].startswith("dE alone")
+    assert paths[("quick", "torch_compile")] is None
     statuses = {check["status"] for check in results["targets"]}
     assert statuses <= {"MET", "MISSED", "NOT MEASURED"}
     assert "## Targets" in written.markdown

@@ -206,6 +206,19 @@ class BackwardPlan(NamedTuple):
     classifier: Optional[ClassifierPlan]
     pass_two: Optional[PassTwoSizing]
 
+    @property
+    def path(self) -> str:
+        """The path in words, for reports: "one pass", "two passes" (pass 1 "in slots" or "in
+        whole rows"), "dE alone" (a frozen classifier) or "dC alone"."""
+        if self.one_pass is not None:
+            return "one pass"
+        if self.pass_one is None:
+            return "dC alone"
+        rows = "in slots" if self.pass_one.slot_map is not None else "in whole rows"
+        if self.pass_two is None and self.classifier is None:
+            return f"dE alone, {rows}"
+        return f"two passes, pass 1 {rows}"
+
 
 class _Problem(NamedTuple):
     """What every decision reads: the call's inputs, its kernel settings and the choices."""
