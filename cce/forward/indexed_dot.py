@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from cce.config import cdiv, kernel_configs
-from cce.forward.vocab_order import TargetPlacement, TileMarks, place_targets
+from cce.forward.vocab_order import NO_MARKS, TargetPlacement, place_targets
 from cce.logit_tile import logit_operands, tanh
 
 
@@ -56,7 +56,7 @@ def indexed_dot(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
     grid = (cdiv(e.shape[0], config.block_tokens),)
     indexed_dot_kernel[grid](
         logit_operands(e, c, bias, None, softcap), targets, out,
-        placement or TargetPlacement(None, None, TileMarks(None, 1, 1, 0)),
+        placement or TargetPlacement(None, None, NO_MARKS),
         BLOCK_TOKENS=config.block_tokens, BLOCK_DIM=config.block_dim,
         num_warps=config.num_warps,
     )

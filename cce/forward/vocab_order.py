@@ -89,6 +89,10 @@ class TileMarks(NamedTuple):
     num_vocab_blocks: int
 
 
+# No tiles to mark (without tiles its sizes are never read).
+NO_MARKS = TileMarks(None, 1, 1, 0)
+
+
 class TargetPlacement(NamedTuple):
     """Where a launch that reads the targets (:func:`place_targets`) puts each row's target's
     position in the order: ``positions`` int32 (N,), -1 for ignored tokens (None: nowhere),
@@ -141,7 +145,7 @@ def target_positions(targets: torch.Tensor, vocab_order: Optional[torch.Tensor],
     if num_tokens:
         target_positions_kernel[(cdiv(num_tokens, _BLOCK),)](
             targets.contiguous(),
-            TargetPlacement(position_of, positions, marks or TileMarks(None, 1, 1, 0)),
+            TargetPlacement(position_of, positions, marks or NO_MARKS),
             num_tokens, BLOCK=_BLOCK)
     return positions
 
