@@ -19,9 +19,10 @@ import torch
 
 from cce.backward.run import BackwardRequest, CorrectionInputs, linear_cross_entropy_backward
 from cce.config import cdiv, check_interpreter_usable, kernel_configs
+from cce.backward.embeddings_product import reads_sorted_copy
 from cce.backward.gradient_tiles import RecomputeInputs
 from cce.forward.indexed_dot import indexed_dot
-from cce.forward.lse_forward import leave_out_targets, lse_forward
+from cce.forward.lse_forward import descriptors_ready, leave_out_targets, lse_forward
 from cce.forward.plan import ForwardPlan, forward_outputs, plan_forward
 from cce.forward.row_outputs import row_outputs
 from cce.autograd import (differentiable_once, needs_gradient, tokenless_loss,
@@ -50,6 +51,8 @@ class ForwardResults(NamedTuple):
     # entropy's gradient (cce.weighting.entropy_and_gradient_terms)
     entropy_terms: Optional[torch.Tensor] = None
     argmax: Optional[torch.Tensor] = None  # int64 (N,)
+    # c's rows in position order, kept for the backward (ForwardPlan.keeps_classifier_copy)
+    classifier_copy: Optional[torch.Tensor] = None
 
 
 def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
@@ -61,9 +64,11 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
     indexed dot, linear-log-sum-exp. Without recorded bounds, ``tile_bound`` is None; without
     sorting, the order and the row sum of ``c`` are. ``logit_sum``, ``curvature_sum``,
     ``class_weight``: see :func:`cce.forward.lse_forward.lse_forward`."""
-    order = position_of = row_sum = None
+    order = position_of = row_sum = sorted_classifier = None
     if plan.sorts:
         order, position_of, row_sum = sort_vocabulary(e, c, bias, targets)
+        if plan.copies_classifier and (plan.keeps_classifier_copy or descriptors_ready(e, c)):
+            sorted_classifier = c.index_select(0, order)
     left_out = leave_out_targets(targets, position_of, e.dtype, c.shape[0])
     target_logit = indexed_dot(e, c, targets, bias, softcap, placement=left_out)
     other_entropy = torch.zeros_like(target_logit) if plan.entropy else None
@@ -76,7 +81,7 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
                                         curvature_sum=curvature_sum, class_weight=class_weight,
                                         entropy=other_entropy, argmax=row_argmax,
                                         deterministic=plan.deterministic,
-                                        copy_classifier=plan.copies_classifier)
+                                        sorted_classifier=sorted_classifier)
     lse, cross_entropy, complement = row_outputs(other_lse, target_logit, targets)
     row_entropy = entropy_terms = None
     if plan.entropy:
@@ -86,7 +91,8 @@ def forward_kernels(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tenso
     if plan.argmax:
         row_argmax = argmax_or_none(row_argmax, lse)
     return ForwardResults(order, left_out.positions, lse, cross_entropy, complement, tile_bound,
-                          row_sum, row_entropy, entropy_terms, row_argmax)
+                          row_sum, row_entropy, entropy_terms, row_argmax,
+                          sorted_classifier if plan.keeps_classifier_copy else None)
 
 
 def recompute_table(tile_bound: torch.Tensor, lse: torch.Tensor, prob_scale: torch.Tensor,
@@ -119,16 +125,20 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                  grad_c_follows: bool,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                            torch.Tensor]:
+                            torch.Tensor, torch.Tensor]:
     """(per-token loss, lse, entropy, argmax, target complement, target positions, vocabulary
-    order, tile bounds, curvature sum, classifier row sum, entropy terms): float32 (N,), float32
+    order, tile bounds, curvature sum, classifier row sum, entropy terms, classifier copy):
+    float32 (N,), float32
     (N,), float32 (N,) with ``return_entropy`` or empty, int64 (N,) with ``return_argmax`` or
     empty, float32 (N,) ``1 - p_y`` (:func:`cce.weighting.target_complement`), int32 (N,),
     int32 (V,) or empty, float32 live-grid table or empty, float32 (N,) with a softcap, label
     smoothing and ``needs_grad`` (:meth:`cce.weighting.LossWeighting.rank_one_term`) or empty,
     float32 (D,) with the order or empty, float32 (2, N) with the entropy and ``needs_grad``
-    (:attr:`ForwardResults.entropy_terms`) or empty. Targets are canonical (int64, -1 =
-    ignored); ``weight`` (float32 (V,)) and ``label_smoothing`` as in :mod:`cce.weighting`.
+    (:attr:`ForwardResults.entropy_terms`) or empty, ``c``'s rows in position order where the
+    backward reads them from the forward's copy
+    (:func:`cce.backward.embeddings_product.reads_sorted_copy`) or empty. Targets are canonical
+    (int64, -1 = ignored); ``weight`` (float32 (V,)) and ``label_smoothing`` as in
+    :mod:`cce.weighting`.
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
     ``grad_c_follows``: that backward computes dC (:func:`cce.forward.plan.plan_forward`);
     ``filter_correction`` and ``keep_tiles`` are the backward's (see :func:`loss_backward`);
@@ -138,7 +148,8 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                         vocab_sorting=vocab_sorting, softcap=softcap,
                         label_smoothing=label_smoothing, needs_grad=needs_grad,
                         grad_c_follows=grad_c_follows, entropy=return_entropy,
-                        argmax=return_argmax, deterministic=deterministic)
+                        argmax=return_argmax, deterministic=deterministic,
+                        backward_reads_copy=reads_sorted_copy(c, keep_tiles, label_smoothing))
     logit_sum = (torch.zeros(targets.shape, dtype=torch.float32, device=e.device)
                  if label_smoothing else None)
     curvature_sum = torch.zeros_like(logit_sum) if plan.sums_curvature else None
@@ -152,7 +163,8 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             _or_empty(forward.tile_bound, torch.float32, e.device),
             _or_empty(curvature_sum, torch.float32, e.device),
             _or_empty(forward.classifier_row_sum, torch.float32, e.device),
-            _or_empty(forward.entropy_terms if needs_grad else None, torch.float32, e.device))
+            _or_empty(forward.entropy_terms if needs_grad else None, torch.float32, e.device),
+            _or_empty(forward.classifier_copy, c.dtype, e.device))
 
 
 @loss_forward.register_fake
@@ -161,7 +173,9 @@ def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_s
                        return_entropy, return_argmax, needs_grad, grad_c_follows):
     num_tokens, vocab_size = e.shape[0], c.shape[0]
     plan = forward_outputs(filter_eps=filter_eps, vocab_sorting=vocab_sorting, softcap=softcap,
-                           label_smoothing=label_smoothing, needs_grad=needs_grad)
+                           label_smoothing=label_smoothing, needs_grad=needs_grad,
+                           backward_reads_copy=grad_c_follows
+                           and reads_sorted_copy(c, keep_tiles, label_smoothing))
     grid = kernel_configs(e.dtype).live_grid  # lse_forward's table: one row per token block
     bound_shape = ((cdiv(num_tokens, grid.block_tokens),
                     cdiv(vocab_size, grid.block_vocab)) if plan.records_bounds
@@ -177,7 +191,8 @@ def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_s
             e.new_empty(num_tokens if plan.sums_curvature else 0, dtype=torch.float32),
             e.new_empty(e.shape[1] if plan.sorts else 0, dtype=torch.float32),
             e.new_empty((2, num_tokens) if return_entropy and needs_grad else (0,),
-                        dtype=torch.float32))
+                        dtype=torch.float32),
+            c.new_empty(c.shape if plan.keeps_classifier_copy else (0,)))
 
 
 @torch.library.custom_op("cce::loss_backward", mutates_args=())
@@ -186,8 +201,8 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
                   target_complement: torch.Tensor, positions: torch.Tensor,
                   order: torch.Tensor, tile_bound: torch.Tensor, curvature_sum: torch.Tensor,
                   classifier_row_sum: torch.Tensor, entropy_terms: torch.Tensor,
-                  grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
-                  grad_entropy: Optional[torch.Tensor],
+                  classifier_copy: torch.Tensor, grad_loss: Optional[torch.Tensor],
+                  grad_lse: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
                   softcap: Optional[float], filter_eps: Optional[float],
                   filter_correction: bool, label_smoothing: float, keep_tiles: bool,
                   needs_grad_e: bool, needs_grad_c: bool,
@@ -195,7 +210,7 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     """(dE, dC, dbias) of ``sum(loss * grad_loss + lse * grad_lse + entropy * grad_entropy)``
     (a None gradient counts as 0), each empty when not needed (dC and dbias both come with
     ``needs_grad_c``). ``target_complement``, ``positions``, ``order``, ``tile_bound``,
-    ``curvature_sum``, ``classifier_row_sum`` and ``entropy_terms``: from
+    ``curvature_sum``, ``classifier_row_sum``, ``entropy_terms`` and ``classifier_copy``: from
     :func:`loss_forward`.
     ``filter_correction``: with filtering and no softcap, dE gets back what the filter dropped
     (:mod:`cce.backward.sparse_tile_matmul`).
@@ -204,6 +219,7 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     order = order if order.numel() else None
     curvature_sum = curvature_sum if curvature_sum.numel() else None
     classifier_row_sum = classifier_row_sum if classifier_row_sum.numel() else None
+    classifier_copy = classifier_copy if classifier_copy.numel() else None
     if grad_loss is None:
         grad_loss = torch.zeros_like(lse)
     weighting = LossWeighting(weight, label_smoothing)
@@ -232,7 +248,7 @@ def loss_backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         live = recompute_table(tile_bound, lse, softmax_rows, positions, e.dtype, filter_eps)
     # The tiles add up the softmax mass off the targets, 1 - p_y (cce.backward.sparse_tile_matmul).
     recompute = RecomputeInputs(e, c, positions, bias, softcap, lse, scales.softmax, entry,
-                                order, filter_eps, rank_one, entropy)
+                                order, filter_eps, rank_one, entropy, classifier_copy)
     correction = (CorrectionInputs(target_complement, classifier_row_sum)
                   if uses_filter_correction(filter_correction, filter_eps, softcap) else None)
     grad_e, grad_c, grad_bias = linear_cross_entropy_backward(recompute, BackwardRequest(
@@ -268,7 +284,8 @@ def _bias_gradient_without_dimensions(bias: torch.Tensor, targets: torch.Tensor,
 
 @loss_backward.register_fake
 def _loss_backward_fake(e, c, bias, targets, weight, lse, target_complement, positions, order,
-                        tile_bound, curvature_sum, classifier_row_sum, entropy_terms, grad_loss,
+                        tile_bound, curvature_sum, classifier_row_sum, entropy_terms,
+                        classifier_copy, grad_loss,
                         grad_lse, grad_entropy, softcap, filter_eps, filter_correction,
                         label_smoothing, keep_tiles, needs_grad_e, needs_grad_c):
     return (e.new_empty(e.shape if needs_grad_e else (0,)),
@@ -283,12 +300,12 @@ def _loss_forward_setup_context(ctx, inputs, output) -> None:
     (e, c, bias, targets, weight, softcap, filter_eps, _, filter_correction, label_smoothing, _,
      keep_tiles, *_) = inputs
     (_, lse, _, argmax, complement, positions, order, tile_bound, curvature_sum, row_sum,
-     entropy_terms) = output
+     entropy_terms, classifier_copy) = output
     ctx.mark_non_differentiable(argmax, complement, positions, order, tile_bound, curvature_sum,
-                                row_sum, entropy_terms)
+                                row_sum, entropy_terms, classifier_copy)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(e, c, bias, targets, weight, lse, complement, positions, order,
-                          tile_bound, curvature_sum, row_sum, entropy_terms)
+                          tile_bound, curvature_sum, row_sum, entropy_terms, classifier_copy)
     ctx.options = (softcap, filter_eps, filter_correction, label_smoothing, keep_tiles)
 
 
@@ -297,12 +314,13 @@ def _loss_forward_backward(ctx, grad_loss: Optional[torch.Tensor],
                            *_grad_non_differentiable):
     """Gradients of e, c and bias (None for the targets and the options)."""
     (e, c, bias, targets, weight, lse, complement, positions, order, tile_bound, curvature_sum,
-     row_sum, entropy_terms) = ctx.saved_tensors
+     row_sum, entropy_terms, classifier_copy) = ctx.saved_tensors
     needs_e, needs_c, needs_bias = ctx.needs_input_grad[:3]
     with torch.no_grad():  # under create_graph=True too: see differentiable_once
         grad_e, grad_c, grad_bias = loss_backward(
             e, c, bias, targets, weight, lse, complement, positions, order, tile_bound,
-            curvature_sum, row_sum, entropy_terms, grad_loss, grad_lse, grad_entropy,
+            curvature_sum, row_sum, entropy_terms, classifier_copy, grad_loss, grad_lse,
+            grad_entropy,
             *ctx.options, needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
     gradients = differentiable_once(
         [grad if needed else None

@@ -46,6 +46,9 @@ class KernelConfigs:
     # The dC product on Hopper GPUs (cce.backward.classifier_product): step depth (0: not used),
     # warps of its consumer and stages.
     classifier_product: KernelConfig
+    # The one pass's dE product on Hopper GPUs where c's rows lie in position order
+    # (cce.backward.embeddings_product): step depth (0: not used), consumer warps and stages.
+    embeddings_product: KernelConfig
     # How tl.dot multiplies the inputs (:func:`dot_precision`); :func:`kernel_configs` sets it.
     dot_precision: str = "tf32"
     # The dense path's pass over a row of float32 logits (cce.dense.softmax_gradient).
@@ -61,12 +64,12 @@ class KernelConfigs:
 
 
 def _small_backward(depth: int, columns: int) -> dict:
-    """The backward's settings without the Hopper dC product: ``depth``-deep recompute slices,
+    """The backward's settings without the Hopper products: ``depth``-deep recompute slices,
     ``columns`` output columns per product program."""
     return {"gradient_tiles": KernelConfig(block_dim=depth),
             "softcap_listed_gradient_tiles": KernelConfig(block_dim=depth),
             "sparse_tile_matmul": KernelConfig(block_out=columns),
-            "classifier_product": KernelConfig()}
+            "classifier_product": KernelConfig(), "embeddings_product": KernelConfig()}
 
 
 # The interpreter runs each program's operations one by one in numpy: 64-deep slices and 128
@@ -102,6 +105,8 @@ _GPU_16BIT = KernelConfigs(
     # Rows of e by TMA, 64-deep steps in 4 stages (docs/notes/backward.md, "What feeds the
     # products").
     classifier_product=KernelConfig(step_depth=64, num_warps=8, num_stages=4),
+    # Rows of c by TMA, 64-deep steps in 3 stages (results/dev/h200_gluon_de_product.json).
+    embeddings_product=KernelConfig(step_depth=64, num_warps=8, num_stages=3),
 )
 # float32 on a GPU: smaller tiles (exact fp32 products hold more registers).
 _GPU_32BIT = KernelConfigs(

@@ -180,13 +180,15 @@ def finish_logits(logits, operands, vocab, vocab_mask):
 
 @triton.jit
 def logit_gradient_tile(
-    operands, rows, row_mask, vocab_block, vocab, vocab_mask,
+    operands, e_desc, c_desc, first_row, rows, row_mask, vocab_block, vocab, vocab_mask,
     BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Recompute one tile and return (gradient of the pre-softcap logits in float32, keep, the
     softmax mass of each row's non-target entries in the tile), from ``operands``
-    (:class:`cce.backward.gradient_tiles.TileOperands`). ``vocab_block``: the tile's block of
+    (:class:`cce.backward.gradient_tiles.TileOperands`), reading e and c's rows in position
+    order by ``e_desc`` and ``c_desc`` where given (:func:`tile_product_by_descriptor`), else
+    gathering c's rows. ``rows``: the tile's (from ``first_row``); ``vocab_block``: its block of
     vocabulary positions (``vocab`` = the entries at them).
 
     The gradient is ``prob_scale[i] * softmax_ij`` off the target and ``target_entry[i]`` at it
@@ -214,8 +216,14 @@ def logit_gradient_tile(
     prob_scale = tl.load(operands.prob_scale + rows, mask=row_mask, other=0.0)
     target_entry = tl.load(operands.target_entry + rows, mask=row_mask, other=0.0)
     target_positions = tl.load(operands.target_positions + rows, mask=row_mask, other=-1)
-    logits = logit_tile(operands.logits, rows, row_mask, vocab, vocab_mask,
-                        BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION)
+    if c_desc is not None:
+        logits = finish_logits(
+            tile_product_by_descriptor(e_desc, c_desc, first_row, vocab_block * BLOCK_VOCAB,
+                                       operands.logits.dim, BLOCK_DIM, DOT_PRECISION),
+            operands.logits, vocab, vocab_mask)
+    else:
+        logits = logit_tile(operands.logits, rows, row_mask, vocab, vocab_mask,
+                            BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION)
 
     # Every operation per entry counts here (the tile's products are short at small D): rows
     # without a softmax gradient get an infinite LSE instead of a select per entry, so that

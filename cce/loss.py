@@ -202,8 +202,10 @@ def linear_cross_entropy(
         keep_tiles: recompute each live tile of the backward once and keep it for both
             gradient products, in memory of its own (about 32 KB per live 128 x 128 tile in
             16-bit, e.g. +0.9-1.2 GB at N = 8192 on a 128k-256k vocabulary), for a faster
-            backward; False (default) keeps the peak at dE + dC + a few MB, recomputing each
-            live tile twice. Kernels only.
+            backward; on Hopper GPUs with 16-bit inputs and no label smoothing, also a copy of
+            ``c`` in the sorted order, kept from the forward to the backward (as large as dC),
+            whose rows the kernels read as whole blocks. False (default) keeps the peak at dE
+            + dC + a few MB, recomputing each live tile twice. Kernels only.
         memory: "low" (default): the peak above the inputs and gradients is a few MB. "fast":
             spend memory for speed. Up to a vocabulary of 65,536 (where most backward tiles
             are live), without softcap, label smoothing, entropy or argmax, the dense path:

@@ -12,8 +12,9 @@ step from an idle GPU (CUDA events; wall time on CPU), and keeps their median. T
 each variant's median over rounds, its ratio to the tree and the host time of its forward call;
 the tree's copy against the tree is the harness's own bias, the smallest difference worth
 reading. With ``--kernels N``, the profiler then records ``--steps`` steps of each variant per
-round, the variants alternating as above, and the report adds the N kernels that take the tree
-most time: each variant's median ms per step in each (on CPU: PyTorch's operations, self time).
+round, the variants alternating as above, and the report adds the N kernels that take each
+variant most time: each variant's median ms per step in each (on CPU: PyTorch's operations, self
+time).
 Inputs: the bench's shapes (:data:`experiments.bench.SHAPES`), LM-like synthetic at their sizes
 (real-data shapes too).
 """
@@ -208,18 +209,22 @@ def _kernel_report(packages: "dict[str, Any]", e: torch.Tensor, c: torch.Tensor,
                    targets: torch.Tensor, options: "dict[str, Any]", rounds: int, steps: int,
                    count: int, shape_name: str, report: Callable[[str], None]
                    ) -> "dict[str, dict[str, float]]":
-    """Profiled rounds (module docstring); report the ``count`` kernels that take the tree most
-    time and return every kernel's median ms per step, per variant."""
+    """Profiled rounds (module docstring); report the ``count`` kernels that take each variant
+    most time and return every kernel's median ms per step, per variant."""
     samples: "dict[str, list[dict[str, float]]]" = {label: [] for label in packages}
     for label, package in progress(_interleaved(packages, rounds),
                                    f"{shape_name} profiled rounds", leave=False):
         samples[label].append(kernel_times(package, e, c, targets, options, steps))
     medians = {label: {name: statistics.median(sample.get(name, 0.0) for sample in runs)
                        for name in set().union(*runs)} for label, runs in samples.items()}
-    tree = medians[TREE]
+    # Each variant's busiest kernels: a kernel that only a revision launches shows too.
+    busiest = {name for times in medians.values()
+               for name in sorted(times, key=times.get, reverse=True)[:count]}
     report(f"{shape_name}: ms per step, median of {rounds} profiled rounds of {steps} steps: "
            + ", ".join(packages))
-    for name in sorted(tree, key=tree.get, reverse=True)[:count]:
+    for name in sorted(busiest, key=lambda name: max(times.get(name, 0.0)
+                                                     for times in medians.values()),
+                       reverse=True):
         times = "  ".join(f"{medians[label].get(name, 0.0):8.3f}" for label in packages)
         report(f"{shape_name}: {times}  {name[:70]}")
     return medians
@@ -248,7 +253,7 @@ def main(argv: "Sequence[str] | None" = None) -> "dict[str, Comparison]":
                         metavar="KEY=VALUE", help="a loss option for every variant")
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="then profile the variants, alternating, and report the N "
-                        "kernels that take the tree most time")
+                        "kernels that take each variant most time")
     args = parser.parse_args(argv)
     env = environment()
     log(f"{env['device']} · torch {env['torch']} · triton {env['triton']} · {env['date']} · "

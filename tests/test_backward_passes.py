@@ -288,10 +288,10 @@ def _recorded_launches(monkeypatch: pytest.MonkeyPatch) -> "list[tuple[str, rang
     launches: "list[tuple[str, range]]" = []
     store, multiply = cce.backward.run.store_gradient_tiles, cce.backward.run.multiply
 
-    def recorded_store(recompute, tiles, configs) -> None:
+    def recorded_store(recompute, tiles, *args) -> None:
         launches.append(("rows", tiles.token_blocks) if tiles.tile_lists is None
                         else ("lists", tiles.vocab_blocks))
-        store(recompute, tiles, configs)
+        store(recompute, tiles, *args)
 
     def recorded_multiply(product) -> None:
         launches.append(("dC" if product.transposed else "dE", product.out_blocks))
@@ -445,28 +445,31 @@ def test_sum_partials_rejects_an_output_it_cannot_write_in_place(device: str) ->
         sum_partials(partial, torch.zeros(8, 5, device=device), "ieee")
 
 
-def _classifier_gradients(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                          gen: torch.Generator, loosen_bounds: float = 0.0):
-    """One filtering, sorting forward of the ops; then a function of ``needs_grad_e`` and the
-    backward's forced choices giving (dC of a random upstream gradient, the backward's plan,
-    its dC plan), each from the same forward. ``loosen_bounds`` is added to the tile bounds."""
+def _gradients_of_one_forward(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                              gen: torch.Generator, loosen_bounds: float = 0.0,
+                              vocab_sorting: bool = True, keep_tiles: bool = False):
+    """One filtering forward of the ops; then a function of ``needs_grad_e`` and the backward's
+    forced choices giving (dE, dC of a random upstream gradient, the backward's plan, its dC
+    plan), each from the same forward. ``loosen_bounds`` is added to the tile bounds."""
     (_, lse, _, _, complement, positions, order, tile_bound, curvature_sum, row_sum,
-     entropy_terms) = loss_forward(e, c, None, targets, None, None, 2.0**-12, True, True, 0.0,
-                                   False, False, False, False, True, True)
+     entropy_terms, classifier_copy) = loss_forward(e, c, None, targets, None, None, 2.0**-12,
+                                                    vocab_sorting, True, 0.0, False, keep_tiles,
+                                                    False, False, True, True)
     grad_loss = torch.rand(e.shape[0], generator=gen).to(e.device)
 
-    def grad_c(needs_grad_e: bool = True, **choices: object
-               ) -> "tuple[torch.Tensor, BackwardPlan, ClassifierPlan]":
+    def gradients(needs_grad_e: bool = True, **choices: object
+                  ) -> "tuple[torch.Tensor, torch.Tensor, BackwardPlan, ClassifierPlan]":
         with forced(**choices) as plans:
-            _, gradient, _ = loss_backward(e, c, None, targets, None, lse, complement, positions,
-                                           order, tile_bound + loosen_bounds, curvature_sum,
-                                           row_sum, entropy_terms, grad_loss, None, None, None,
-                                           2.0**-12, True, 0.0, False,
-                                           needs_grad_e=needs_grad_e, needs_grad_c=True)
+            grad_e, grad_c, _ = loss_backward(e, c, None, targets, None, lse, complement,
+                                              positions, order, tile_bound + loosen_bounds,
+                                              curvature_sum, row_sum, entropy_terms,
+                                              classifier_copy, grad_loss, None, None, None,
+                                              2.0**-12, True, 0.0, keep_tiles,
+                                              needs_grad_e=needs_grad_e, needs_grad_c=True)
         ((plan, classifier),) = _backwards(plans)
-        return gradient, plan, classifier
+        return grad_e, grad_c, plan, classifier
 
-    return grad_c
+    return gradients
 
 
 def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator) -> None:
@@ -479,9 +482,10 @@ def test_dc_alone_is_dc_beside_de_bit_for_bit(device: str, gen: torch.Generator)
     num_tokens = 261
     vocab, dim = _shape(torch.bfloat16, 9)
     e, c, targets = peaked_inputs(gen, device, num_tokens, vocab, dim)
-    grad_c = _classifier_gradients(e.bfloat16(), c.bfloat16(), targets, gen, loosen_bounds=4.0)
-    beside, _, pass_two_beside = grad_c(needs_grad_e=True)
-    alone, _, pass_two_alone = grad_c(needs_grad_e=False)
+    gradients = _gradients_of_one_forward(e.bfloat16(), c.bfloat16(), targets, gen,
+                                          loosen_bounds=4.0)
+    _, beside, _, pass_two_beside = gradients(needs_grad_e=True)
+    _, alone, _, pass_two_alone = gradients(needs_grad_e=False)
     stored_beside = int(pass_two_beside.tile_lists.counts.sum())
     assert int(pass_two_alone.tile_lists.counts.sum()) > stored_beside > 0
     assert torch.equal(alone, beside)
@@ -501,12 +505,64 @@ def test_classifier_product_by_tma_is_the_triton_product_bit_for_bit(
     vocab, _ = _shape(torch.bfloat16, 9)
     tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7
     e, c, targets = peaked_inputs(gen, device, tokens, vocab, dim)
-    grad_c = _classifier_gradients(e.bfloat16(), c.bfloat16(), targets, gen)
+    gradients = _gradients_of_one_forward(e.bfloat16(), c.bfloat16(), targets, gen)
     one_pass = passes == "one"
-    with_tma, plan, classifier = grad_c(one_pass=one_pass, triton_classifier_product=False)
+    _, with_tma, plan, classifier = gradients(one_pass=one_pass, triton_classifier_product=False)
     assert classifier.product.by_tma and (plan.one_pass is not None) == one_pass
-    by_triton, _, classifier = grad_c(one_pass=one_pass, triton_classifier_product=True)
+    _, by_triton, _, classifier = gradients(one_pass=one_pass, triton_classifier_product=True)
     assert not classifier.product.by_tma and torch.equal(with_tma, by_triton)
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-passes"])
+def test_tiles_read_by_descriptor_are_the_gathered_tiles_bit_for_bit(
+        one_pass: bool, device: str, gen: torch.Generator) -> None:
+    """Without sorting, c's rows lie in position order: the recomputes read them and e's by
+    tensor descriptor, a block of consecutive rows per D slice (TMA on Hopper, and in the
+    interpreter), as the forward does. From the same forward, dE and dC are those of the
+    recomputes that gather the rows, to the bit, in both paths."""
+    e, c, targets = peaked_inputs(gen, device, SMALL_N, *_shape(torch.bfloat16))
+    gradients = _gradients_of_one_forward(e.bfloat16(), c.bfloat16(), targets, gen,
+                                          vocab_sorting=False)
+    by_descriptor = gradients(one_pass=one_pass)
+    gathered = gradients(one_pass=one_pass, gathered_rows=True)
+    assert by_descriptor[2].classifier_by_position is not None
+    assert gathered[2].classifier_by_position is None
+    assert (by_descriptor[2].one_pass is not None) == one_pass
+    assert (gathered[2].one_pass is not None) == one_pass
+    assert torch.equal(by_descriptor[0], gathered[0])
+    assert torch.equal(by_descriptor[1], gathered[1])
+
+
+@pytest.mark.parametrize("vocab_sorting, keep_tiles, dim", [(True, True, 200), (False, False, 512),
+                                                            (True, False, 512)],
+                         ids=["sorted-kept-tiles", "unsorted-in-dC", "sorted-in-dC"])
+def test_embeddings_product_by_tma_is_the_triton_product_bit_for_bit(
+        vocab_sorting: bool, keep_tiles: bool, dim: int, device: str,
+        gen: torch.Generator) -> None:
+    """On a Hopper GPU with 16-bit inputs, the one pass's dE comes from
+    cce.backward.embeddings_product, which copies rows of c by TMA, where they lie in position
+    order: without sorting, and with sorting where the tiles are kept in memory of their own
+    (the forward keeps its copy of c in position order for it). From the same forward it is the
+    Triton product's dE to the bit, the filter correction included, with partial token,
+    vocabulary and output blocks. With sorting and the tiles in dC's rows (no copy), the Triton
+    product runs."""
+    if not cce.backward.classifier_product.available(torch.device(device), torch.bfloat16):
+        pytest.skip("needs a Hopper GPU and Triton 3.6")
+    vocab, _ = _shape(torch.bfloat16, 9)
+    tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7
+    e, c, targets = peaked_inputs(gen, device, tokens, vocab, dim)
+    gradients = _gradients_of_one_forward(e.bfloat16(), c.bfloat16(), targets, gen,
+                                          vocab_sorting=vocab_sorting, keep_tiles=keep_tiles)
+    by_tma = not vocab_sorting or keep_tiles
+    # One program per output block (no split): the kernel's condition, which a GPU's many
+    # SMs would otherwise trade for splits at this small N.
+    with_tma, grad_c, plan, _ = gradients(one_pass=True, splits=1)
+    assert plan.one_pass is not None and plan.one_pass.product.by_tma == by_tma
+    assert plan.correction is not None
+    by_triton, grad_c_by_triton, plan, _ = gradients(one_pass=True, splits=1,
+                                                     triton_embeddings_product=True)
+    assert not plan.one_pass.product.by_tma
+    assert torch.equal(with_tma, by_triton) and torch.equal(grad_c, grad_c_by_triton)
 
 
 @pytest.mark.parametrize("device", [

@@ -79,29 +79,36 @@ def usable(e: torch.Tensor, config: KernelConfig, grad_bias: Optional[torch.Tens
 if gluon is not None:
 
     @gluon.constexpr_function
-    def _accumulator_layout(num_warps, block_out):
+    def accumulator_layout(num_warps, block_out):
         """The wgmma accumulator's register layout: the warp groups stacked along the rows."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                          instr_shape=[16, block_out, 16])
+
+    @gluon.jit
+    def segment_starts(pages_ptr, segments, mask, page_stride,
+                       SEGMENTS_PER_PAGE: gl.constexpr, IN_ORDER: gl.constexpr,
+                       BLOCK: gl.constexpr):
+        """Where the given segments (int64) of a scratch start, in elements (the Gluon twin of
+        :func:`cce.backward.scratch.segment_offsets`, a Triton function, which Gluon cannot
+        call); ``mask``: the page lookups to make."""
+        if IN_ORDER:
+            starts = segments * BLOCK
+        else:
+            page = gl.load(pages_ptr + segments // SEGMENTS_PER_PAGE, mask=mask, other=0)
+            starts = page.to(gl.int64) * page_stride + (segments % SEGMENTS_PER_PAGE) * BLOCK
+        return starts
 
     @gluon.jit
     def _tile_row_starts(pages_ptr, first_slot, step, rows, n_steps, page_stride,
                          SEGMENTS_PER_PAGE: gl.constexpr, IN_ORDER: gl.constexpr,
                          BLOCK: gl.constexpr, DEPTH: gl.constexpr):
         """Where step ``step``'s DEPTH token rows of the stored tile start: its tile is in slot
-        ``first_slot + step // STEPS``. (The Gluon twin of
-        :func:`cce.backward.scratch.segment_offsets`, a Triton function, which Gluon cannot
-        call.)"""
+        ``first_slot + step // STEPS``."""
         STEPS: gl.constexpr = BLOCK // DEPTH
         segments = ((first_slot + step // STEPS).to(gl.int64) * BLOCK + (step % STEPS) * DEPTH
                     + rows)
-        if IN_ORDER:
-            starts = segments * BLOCK
-        else:
-            page = gl.load(pages_ptr + segments // SEGMENTS_PER_PAGE, mask=step < n_steps,
-                           other=0)
-            starts = page.to(gl.int64) * page_stride + (segments % SEGMENTS_PER_PAGE) * BLOCK
-        return starts
+        return segment_starts(pages_ptr, segments, step < n_steps, page_stride,
+                              SEGMENTS_PER_PAGE, IN_ORDER, BLOCK)
 
     @gluon.jit
     def _copy_steps(a_smem, b_smem, ready, empty, e_desc, scratch_ptr, pages_ptr, list_base,
@@ -142,17 +149,31 @@ if gluon is not None:
                                  other=0)
 
     @gluon.jit
-    def _multiply_steps(a_smem, b_smem, ready, empty, n_steps, BLOCK: gl.constexpr,
-                        BLOCK_OUT: gl.constexpr, STAGES: gl.constexpr):
-        """The consumer: two warp groups, 64 positions each, accumulating in float32."""
+    def stage_barriers(STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
+        """Each stage's barriers: ``ready`` once every producer thread's cp.async arrived and
+        the TMA copy's bytes landed, ``empty`` once the consumer freed the stage."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(STAGES):
+            mbarrier.init(ready.index(stage), count=PRODUCER_WARPS * 32 + 1)
+            mbarrier.init(empty.index(stage), count=1)
+        return ready, empty
+
+    @gluon.jit
+    def multiply_steps(a_smem, b_smem, ready, empty, n_steps, BLOCK: gl.constexpr,
+                       BLOCK_OUT: gl.constexpr, STAGES: gl.constexpr, A_TRANSPOSED: gl.constexpr):
+        """The consumer: two warp groups, 64 output rows each, accumulating in float32 the
+        products of each stage's ``a`` (transposed where ``A_TRANSPOSED``) and ``b``."""
         acc = gl.zeros([BLOCK, BLOCK_OUT], gl.float32,
-                       layout=_accumulator_layout(gl.num_warps(), BLOCK_OUT))
+                       layout=accumulator_layout(gl.num_warps(), BLOCK_OUT))
         for step in range(n_steps):
             stage = step % STAGES
             mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
             fence_async_shared()  # the cp.async writes, before the tensor cores read them
-            acc = warpgroup_mma(a_smem.index(stage).permute((1, 0)), b_smem.index(stage), acc,
-                                is_async=True)
+            a = a_smem.index(stage)
+            if A_TRANSPOSED:
+                a = a.permute((1, 0))
+            acc = warpgroup_mma(a, b_smem.index(stage), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             # Both warp groups are done with the previous stage: free it.
             gl.thread_barrier()
@@ -187,23 +208,18 @@ if gluon is not None:
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DEPTH, BLOCK], dtype)
         a_smem = gl.allocate_shared_memory(dtype, [STAGES, DEPTH, BLOCK], a_layout)
         b_smem = gl.allocate_shared_memory(dtype, [STAGES, DEPTH, BLOCK_OUT], e_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for stage in gl.static_range(STAGES):
-            # Each producer thread's cp.async arrival, and the TMA copy's expected bytes.
-            mbarrier.init(ready.index(stage), count=PRODUCER_WARPS * 32 + 1)
-            mbarrier.init(empty.index(stage), count=1)
+        ready, empty = stage_barriers(STAGES, PRODUCER_WARPS)
 
         acc, = gl.warp_specialize(
-            [(_multiply_steps, (a_smem, b_smem, ready, empty, n_steps, BLOCK, BLOCK_OUT,
-                                STAGES)),
+            [(multiply_steps, (a_smem, b_smem, ready, empty, n_steps, BLOCK, BLOCK_OUT,
+                               STAGES, True)),
              (_copy_steps, (a_smem, b_smem, ready, empty, e_desc, scratch_ptr,
                             tiles.scratch.pages, list_base, first_slot, n_steps, out_chunk,
                             io.num_tokens, tiles.scratch.page_stride, SEGMENTS_PER_PAGE,
                             IN_ORDER, BLOCK, BLOCK_OUT, DEPTH, STAGES))],
             [PRODUCER_WARPS], [PRODUCER_REGISTERS])
 
-        mma_layout: gl.constexpr = _accumulator_layout(gl.num_warps(), BLOCK_OUT)
+        mma_layout: gl.constexpr = accumulator_layout(gl.num_warps(), BLOCK_OUT)
         positions = ((tiles.first_block + out_block) * BLOCK
                      + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma_layout)))
         row_mask = positions < io.vocab_size

@@ -26,6 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without descriptors: the rows are gathered (lse_forward's test)
+    TensorDescriptor = None
+
 from cce.config import KernelConfigs, cdiv
 from cce.logit_tile import (LogitOperands, logit_gradient_tile, logit_operands, round_to,
                             vocab_block_entries)
@@ -84,7 +89,7 @@ class TileChoice(NamedTuple):
 
 
 @triton.jit
-def gradient_tiles_kernel(operands, tiles, SEGMENTS_PER_PAGE: tl.constexpr,
+def gradient_tiles_kernel(operands, e_desc, c_desc, tiles, SEGMENTS_PER_PAGE: tl.constexpr,
                           BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
                           BLOCK_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Which paths compile follows from which tensors are given.
@@ -134,7 +139,8 @@ def gradient_tiles_kernel(operands, tiles, SEGMENTS_PER_PAGE: tl.constexpr,
             operands.logits.vocab_order, vocab_block, entries, operands.logits.vocab_size,
             BLOCK_VOCAB, SORTED)
         grad, keep, row_mass = logit_gradient_tile(
-            operands, rows, row_mask, vocab_block, vocab, vocab_mask,
+            operands, e_desc, c_desc, token_block * BLOCK_TOKENS, rows, row_mask, vocab_block,
+            vocab, vocab_mask,
             BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_DIM, DOT_PRECISION,
         )
         if LISTED:
@@ -164,7 +170,9 @@ class RecomputeInputs(NamedTuple):
     exact filter's threshold (None: store every recomputed tile); ``rank_one``: the gradient's
     rank-one term (label smoothing), which the products add; with a softcap the tiles hold its
     part that is not rank-one (:func:`cce.logit_tile.logit_gradient_tile`); ``entropy``: the
-    entropy's term (:class:`cce.weighting.EntropyTerm`), None without an entropy gradient."""
+    entropy's term (:class:`cce.weighting.EntropyTerm`), None without an entropy gradient;
+    ``sorted_classifier``: with sorting, c's rows in position order (the forward's copy), or
+    None."""
 
     e: torch.Tensor
     c: torch.Tensor
@@ -178,6 +186,7 @@ class RecomputeInputs(NamedTuple):
     filter_eps: Optional[float]
     rank_one: Optional[RankOneTerm]
     entropy: Optional[EntropyTerm] = None
+    sorted_classifier: Optional[torch.Tensor] = None
 
 
 class TileStore(NamedTuple):
@@ -213,9 +222,12 @@ class TileStore(NamedTuple):
 
 
 def store_gradient_tiles(recompute: RecomputeInputs, store: TileStore,
-                         configs: KernelConfigs) -> None:
+                         configs: KernelConfigs,
+                         classifier_by_position: Optional[torch.Tensor] = None) -> None:
     """Recompute and store the tiles ``store`` names (:class:`TileStore`). ``configs``: the
-    backward's kernel settings (:func:`cce.config.kernel_configs`)."""
+    backward's kernel settings (:func:`cce.config.kernel_configs`); ``classifier_by_position``:
+    c's rows in position order, read by tensor descriptor (TMA on Hopper; None: gathered
+    through the order)."""
     listed = store.tile_lists is not None
     grid = configs.live_grid
     if listed and recompute.softcap is not None:
@@ -241,8 +253,14 @@ def store_gradient_tiles(recompute: RecomputeInputs, store: TileStore,
         kept_mass=store.kept_mass)
     if not store.filters:
         recompute = recompute._replace(filter_eps=None)
+    e_desc = c_desc = None
+    if classifier_by_position is not None:
+        e_desc = TensorDescriptor.from_tensor(recompute.e, [grid.block_tokens, config.block_dim])
+        c_desc = TensorDescriptor.from_tensor(classifier_by_position,
+                                              [grid.block_vocab, config.block_dim])
     gradient_tiles_kernel[(programs,)](
-        tile_operands(recompute), tiles, SEGMENTS_PER_PAGE=store.scratch.segments_per_page,
+        tile_operands(recompute), e_desc, c_desc, tiles,
+        SEGMENTS_PER_PAGE=store.scratch.segments_per_page,
         BLOCK_TOKENS=grid.block_tokens, BLOCK_VOCAB=grid.block_vocab,
         BLOCK_DIM=config.block_dim, DOT_PRECISION=configs.dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -28,7 +28,7 @@ from typing import ContextManager, NamedTuple, Optional, Union
 import numpy as np
 import torch
 
-from cce.backward import classifier_product
+from cce.backward import classifier_product, embeddings_product
 from cce.choices import Seam
 from cce.config import (DEDICATED_SCRATCH_BYTES, SLOT_CHUNK_TOKENS, SPARE_SCRATCH_BYTES,
                         KernelConfig, KernelConfigs, cdiv, next_power_of_2,
@@ -39,6 +39,7 @@ from cce.backward.scratch import Scratch, rows_can_hold_segments
 from cce.backward.epilogue_terms import PendingCorrection
 from cce.backward.product_arguments import ProductSettings
 from cce.backward.tile_lists import ListedTiles, TileLists
+from cce.forward.lse_forward import classifier_by_position
 
 
 class CorrectionInputs(NamedTuple):
@@ -81,13 +82,18 @@ class PlanChoices:
     rows take several chunks, however many tokens they hold; False, whole rows.
     ``spare_bytes``: the spare buffer's size (it holds one vocabulary block's tiles at least).
     ``splits``: programs per output block of every dE product. ``triton_classifier_product``:
-    the Triton dC product even where :mod:`cce.backward.classifier_product` runs."""
+    the Triton dC product even where :mod:`cce.backward.classifier_product` runs;
+    ``triton_embeddings_product``: the Triton dE product even where
+    :mod:`cce.backward.embeddings_product` runs. ``gathered_rows``: the tile products gather
+    c's rows through the order even where they could read them in position order."""
 
     one_pass: Optional[bool] = None
     slots: Optional[bool] = None
     spare_bytes: Optional[int] = None
     splits: Optional[int] = None
     triton_classifier_product: bool = False
+    triton_embeddings_product: bool = False
+    gathered_rows: bool = False
 
 
 _SEAM: Seam[PlanChoices] = Seam(PlanChoices())
@@ -194,7 +200,10 @@ class Gradients(NamedTuple):
 
 class BackwardPlan(NamedTuple):
     """A backward call's plan (module docstring). ``classifier``: dC's plan where it is known
-    before the run (the one pass, or dC without dE); ``pass_two``: what plans it after pass 1."""
+    before the run (the one pass, or dC without dE); ``pass_two``: what plans it after pass 1;
+    ``classifier_by_position``: c's rows in position order (c unsorted, or the forward's sorted
+    copy), which the recomputes and the one pass's Hopper dE product read by descriptor, or
+    None: they gather the rows through the order."""
 
     configs: KernelConfigs
     host_may_sync: bool
@@ -205,6 +214,7 @@ class BackwardPlan(NamedTuple):
     pass_one: Optional[PassOnePlan]
     classifier: Optional[ClassifierPlan]
     pass_two: Optional[PassTwoSizing]
+    classifier_by_position: Optional[torch.Tensor] = None
 
     @property
     def path(self) -> str:
@@ -228,6 +238,7 @@ class _Problem(NamedTuple):
     configs: KernelConfigs
     choices: PlanChoices
     host_may_sync: bool
+    rows_by_position: Optional[torch.Tensor]  # BackwardPlan.classifier_by_position
 
     @property
     def grid_shape(self) -> "tuple[int, int]":
@@ -253,7 +264,11 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest,
     ``configs`` (:func:`cce.config.kernel_configs` of e's dtype; module docstring); allocates
     the gradients and queues the work of the one host sync."""
     e, c = recompute.e, recompute.c
-    problem = _Problem(recompute, request, configs, _SEAM.choices, host_may_sync(e.device))
+    choices = _SEAM.choices
+    rows_by_position = (None if choices.gathered_rows else classifier_by_position(
+        e, c, recompute.vocab_order, recompute.sorted_classifier))
+    problem = _Problem(recompute, request, configs, choices, host_may_sync(e.device),
+                       rows_by_position)
     grad_c = (torch.empty(c.shape, dtype=c.dtype, device=c.device)
               if request.needs_grad_c else None)
     grad_bias = (torch.empty_like(recompute.bias)
@@ -288,7 +303,7 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest,
             pass_two = None
     plan = BackwardPlan(problem.configs, problem.host_may_sync, request.live_tiles,
                         Gradients(grad_e, grad_c, grad_bias), correction, one_pass, pass_one,
-                        classifier, pass_two)
+                        classifier, pass_two, rows_by_position)
     _SEAM.record(plan)
     return plan
 
@@ -374,8 +389,9 @@ def _one_pass_plan(problem: _Problem, listed: ListedTiles, table: torch.Tensor,
     tile_lists, read_lengths = listed
     num_token_blocks, num_vocab_blocks = problem.grid_shape
     keep_tiles = problem.request.keep_tiles
-    embeddings_product = _embeddings_product(problem, num_token_blocks, True, 0)
-    classifier_product = _classifier_product(problem, None if keep_tiles else grad_c)
+    pages = None if keep_tiles else grad_c
+    embeddings_product = _one_pass_embeddings_product(problem, num_token_blocks, pages)
+    classifier_product = _classifier_product(problem, pages)
     tiles_per_block = read_lengths()
     spare_tiles = _spare_tiles(tiles_per_block, grad_c, grid, problem.spare_bytes)
     if keep_tiles:
@@ -665,6 +681,22 @@ def _embeddings_product(problem: _Problem, token_blocks: int, slot_map: bool,
         block_out, configs.dot_precision,
         splits=_embeddings_splits(problem, token_blocks, block_out, room_bytes),
         whole_blocks=whole_blocks)
+
+
+def _one_pass_embeddings_product(problem: _Problem, token_blocks: int,
+                                 pages: Optional[torch.Tensor]) -> ProductSettings:
+    """The settings of the one pass's dE product, whose tiles lie in the rows of ``pages`` (dC)
+    or in a buffer of their own (None): on Hopper GPUs :mod:`cce.backward.embeddings_product`'s
+    where it applies and the tile products read c's rows in position order
+    (:attr:`BackwardPlan.classifier_by_position`)."""
+    settings = _embeddings_product(problem, token_blocks, True, 0)
+    recompute, configs, rows = problem.recompute, problem.configs, problem.rows_by_position
+    if (rows is not None and not problem.choices.triton_embeddings_product
+            and embeddings_product.usable(rows, configs.embeddings_product,
+                                          recompute.rank_one is not None, settings.splits,
+                                          pages)):
+        return settings._replace(config=configs.embeddings_product, by_tma=True)
+    return settings
 
 
 def _classifier_product(problem: _Problem, pages: Optional[torch.Tensor]) -> ProductSettings:

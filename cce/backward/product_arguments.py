@@ -52,7 +52,8 @@ class ProductSettings(NamedTuple):
     the live grid's tiles, the configuration its warps, stages and step depth come from, the
     output columns per program, the programs per output block (``splits``, dE only), whether
     every token, vocabulary and output block is whole (no masks, shallower steps), and whether
-    the dC product is :mod:`cce.backward.classifier_product`'s; how tl.dot multiplies
+    a Hopper kernel runs it (:mod:`cce.backward.classifier_product` for dC,
+    :mod:`cce.backward.embeddings_product` for the one pass's dE); how tl.dot multiplies
     (:func:`cce.config.dot_precision`)."""
 
     grid: KernelConfig

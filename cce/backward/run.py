@@ -79,7 +79,7 @@ def run_backward(plan: BackwardPlan, recompute: RecomputeInputs) -> Gradients:
     (:func:`launches`): each chunk's recompute, then its product. Decides nothing."""
     for launch in launches(plan, recompute):
         if isinstance(launch, TileStore):
-            store_gradient_tiles(recompute, launch, plan.configs)
+            store_gradient_tiles(recompute, launch, plan.configs, plan.classifier_by_position)
         else:
             multiply(launch)
         del launch  # the next launch may allocate what this one's scratch frees
@@ -104,8 +104,11 @@ def launches(plan: BackwardPlan, recompute: RecomputeInputs
         table = one_pass.live_tiles
         yield TileStore(one_pass.scratch, range(table.shape[1]), tile_lists=one_pass.tile_lists,
                         longest_list=one_pass.longest_list, kept_mass=kept_mass)
+        # The Hopper dE product reads c's rows in position order, not through the order.
+        by_position = one_pass.product.by_tma
         yield Product(False, one_pass.scratch, range(table.shape[0]), *build_tile_lists(table),
-                      c, vocab_order, grad_e, one_pass.product,
+                      plan.classifier_by_position if by_position else c,
+                      None if by_position else vocab_order, grad_e, one_pass.product,
                       slot_map=one_pass.tile_lists.slot_map(transposed=True),
                       correction=terms.correction, rank_one=terms.embeddings)
     if pass_one is not None:

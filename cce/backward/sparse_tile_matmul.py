@@ -19,8 +19,9 @@ write float32 partial sums, added up afterwards (dE only; :mod:`cce.backward.par
 
 The products' epilogues add the rank-one term of label smoothing and the filter correction
 (:mod:`cce.backward.epilogue_terms`). The backward's schedule describes each launch as a
-:class:`Product`, which :func:`multiply` launches here or, for dC on Hopper GPUs, through
-:mod:`cce.backward.classifier_product`, with the same arguments
+:class:`Product`, which :func:`multiply` launches here or, on Hopper GPUs, through
+:mod:`cce.backward.classifier_product` (dC) or :mod:`cce.backward.embeddings_product` (the one
+pass's dE, where c's rows lie in position order), with the same arguments
 (:mod:`cce.backward.product_arguments`).
 """
 
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cce.backward import classifier_product
+from cce.backward import classifier_product, embeddings_product
 from cce.backward.product_arguments import ProductIO, ProductSettings, ProductTiles
 from cce.backward.epilogue_terms import FilterCorrection, RankOneUpdate
 from cce.backward.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
@@ -254,12 +255,19 @@ def multiply(product: Product) -> None:
                    grad_bias=product.grad_bias, num_tokens=num_tokens, vocab_size=vocab_size,
                    dim=dim)
     if settings.by_tma:
-        # The plan chose the Hopper kernel where classifier_product.usable() holds: the dC
-        # product alone, with no bias gradient, rank-one term or split.
-        assert (transposed and partial is None and product.grad_bias is None
-                and product.rank_one is None)
-        classifier_product.launch(tiles, io, settings, scratch.segments_per_page,
-                                  product.chunk_slots)
+        # The plan chose a Hopper kernel where its usable() holds: no rank-one term or split;
+        # dC's without a bias gradient, dE's through the one pass's slot map, with c's rows in
+        # position order.
+        assert partial is None and product.rank_one is None
+        if transposed:
+            assert product.grad_bias is None
+            classifier_product.launch(tiles, io, settings, scratch.segments_per_page,
+                                      product.chunk_slots)
+        else:
+            assert (product.slot_map is not None and not product.chunk_slots
+                    and product.vocab_order is None)
+            embeddings_product.launch(tiles, io, product.correction, settings,
+                                      scratch.segments_per_page)
         return
     sparse_tile_matmul_kernel[(programs * splits,)](
         tiles, io, product.correction or FilterCorrection(None, None, None),

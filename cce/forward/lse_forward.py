@@ -401,24 +401,26 @@ def _merge_under_lock(lock, results, rows, row_mask, program_lse, logit_sum, cur
 
 
 def classifier_by_position(e: torch.Tensor, c: torch.Tensor, vocab_order: Optional[torch.Tensor],
-                           copy: bool) -> Optional[torch.Tensor]:
+                           sorted_copy: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``c`` with its rows in position order, for the tile products to read as blocks of
     consecutive rows by tensor descriptor (TMA on Hopper), or None where the rows are gathered
     through the order instead.
 
-    Without sorting ``c`` is in position order already. With sorting it takes a copy
-    (``c.index_select``) when ``copy`` says so (the plan's choice, :mod:`cce.forward.plan`: where
-    the memory allows it and the forward is long enough to repay it): on an H200 the
-    descriptors save 10-17% of the kernel's time and the copy costs about one read and one
-    write of ``c`` (Llama 3 8B shape: 16.2 -> 14.1 ms for a 0.58 ms copy at N = 8192, 1.86 ->
-    1.58 ms at N = 1024; ``docs/notes/forward.md``)."""
-    if not (_descriptor_ready(e) and _descriptor_ready(c)):
+    Without sorting ``c`` is in position order already. With sorting it is ``sorted_copy``, a
+    copy the caller made (``c.index_select``; the forward's plan decides,
+    :mod:`cce.forward.plan`: where the memory allows it and the forward is long enough to repay
+    it), None where there is none: on an H200 the descriptors save 10-17% of the kernel's time
+    and the copy costs about one read and one write of ``c`` (Llama 3 8B shape: 16.2 -> 14.1 ms
+    for a 0.58 ms copy at N = 8192, 1.86 -> 1.58 ms at N = 1024; ``docs/notes/forward.md``)."""
+    if not descriptors_ready(e, c):
         return None
-    if vocab_order is None:
-        return c
-    if copy:
-        return c.index_select(0, vocab_order)
-    return None
+    return c if vocab_order is None else sorted_copy
+
+
+def descriptors_ready(e: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether the forward's tile products can read ``e`` and ``c`` (or a copy of ``c``'s rows
+    in another order) by tensor descriptor."""
+    return _descriptor_ready(e) and _descriptor_ready(c)
 
 
 def _descriptor_ready(x: torch.Tensor) -> bool:
@@ -474,7 +476,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                 entropy: Optional[torch.Tensor] = None,
                 argmax: Optional[torch.Tensor] = None,
                 argmax_value: Optional[torch.Tensor] = None, deterministic: bool = False,
-                copy_classifier: bool = False,
+                sorted_classifier: Optional[torch.Tensor] = None,
                 ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
     """float32 (N,) log-sum-exp of every row and, when ``target_logit`` (float32 (N,), from
     :func:`cce.forward.indexed_dot.indexed_dot`) is given, the float32 table of log-probability
@@ -508,8 +510,9 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     read other programs' merges then: the head of the order runs first, in a launch of its own
     (``config.deterministic_head_blocks``), and its LSE bounds every later program's rows.
 
-    ``copy_classifier``: with sorting, read a copy of ``c`` in position order where descriptors
-    can (:func:`classifier_by_position`; the caller decides: :mod:`cce.forward.plan`)."""
+    ``sorted_classifier``: with sorting, ``c``'s rows in position order (a copy the caller made,
+    :mod:`cce.forward.plan` decides), which the kernel reads by descriptor where it can
+    (:func:`classifier_by_position`); None: the rows are gathered through the order."""
     num_tokens = e.shape[0]
     vocab_size = c.shape[0]
     configs = kernel_configs(e.dtype)
@@ -543,7 +546,7 @@ def lse_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     tile_bound = (torch.empty((num_token_blocks, cdiv(vocab_size, live_grid.block_vocab)),
                               dtype=torch.float32, device=e.device) if record else None)
     e_desc = c_desc = None
-    c_by_position = classifier_by_position(e, c, vocab_order, copy_classifier)
+    c_by_position = classifier_by_position(e, c, vocab_order, sorted_classifier)
     if c_by_position is not None:
         e_desc = TensorDescriptor.from_tensor(e, [config.block_tokens, config.block_dim])
         c_desc = TensorDescriptor.from_tensor(c_by_position,

@@ -8,7 +8,9 @@ the host once per call (:func:`plan_forward`), then run by
 - The kernel reads a copy of ``c`` in position order, by tensor descriptor, only where the
   backward that follows takes as much memory anyway and the forward is long enough to repay
   the copy (:func:`cce.forward.lse_forward.classifier_by_position`); otherwise, with sorting, it
-  gathers the rows through the order.
+  gathers the rows through the order. Where the backward reads such a copy too (its Hopper dE
+  product with the tiles kept, :mod:`cce.backward.embeddings_product`), the forward makes it
+  whatever the size and keeps it for the backward.
 
 Tests force a choice (:class:`ForwardChoices`) and read the plans made through :func:`forced`.
 """
@@ -41,12 +43,14 @@ class ForwardPlan:
     ``sums_curvature``: the kernel sums each row's tanh^2 (only the backward's split of label
     smoothing under a softcap needs it: :meth:`cce.weighting.LossWeighting.rank_one_term`);
     ``copies_classifier``: the kernel reads a sorted copy of ``c`` where descriptors can;
+    ``keeps_classifier_copy``: the forward makes that copy and keeps it for the backward;
     ``entropy``, ``argmax``, ``deterministic``: see :func:`cce.forward.lse_forward.lse_forward`."""
 
     records_bounds: bool
     sorts: bool
     sums_curvature: bool
     copies_classifier: bool
+    keeps_classifier_copy: bool = False
     entropy: bool = False
     argmax: bool = False
     deterministic: bool = False
@@ -65,10 +69,12 @@ def forced(**choices: Optional[object]) -> "ContextManager[list[ForwardPlan]]":
 def plan_forward(num_tokens: int, dim: int, *, filter_eps: Optional[float], vocab_sorting: bool,
                  softcap: Optional[float], label_smoothing: float, needs_grad: bool,
                  grad_c_follows: bool, entropy: bool = False, argmax: bool = False,
-                 deterministic: bool = False) -> ForwardPlan:
+                 deterministic: bool = False, backward_reads_copy: bool = False) -> ForwardPlan:
     """The plan of a forward over ``num_tokens`` rows of ``dim`` dimensions. ``needs_grad``: a
-    backward follows; ``grad_c_follows``: it computes dC. The other keywords are the loss's
-    options (:class:`cce.options.LossOptions`)."""
+    backward follows; ``grad_c_follows``: it computes dC; ``backward_reads_copy``: a sorting
+    backward would read a copy of ``c`` in position order
+    (:func:`cce.backward.embeddings_product.reads_sorted_copy`). The other keywords are the
+    loss's options (:class:`cce.options.LossOptions`)."""
     choices = _SEAM.choices
     copies = choices.copies_classifier
     if copies is None:
@@ -78,11 +84,12 @@ def plan_forward(num_tokens: int, dim: int, *, filter_eps: Optional[float], voca
         # (cce.backward.plan), takes as much memory as the copy.
         copies = (needs_grad and (grad_c_follows or num_tokens >= dim)
                   and num_tokens >= min_tokens)
-    plan = replace(forward_outputs(filter_eps=filter_eps, vocab_sorting=vocab_sorting,
-                                   softcap=softcap, label_smoothing=label_smoothing,
-                                   needs_grad=needs_grad, entropy=entropy, argmax=argmax,
-                                   deterministic=deterministic),
-                   copies_classifier=copies)
+    outputs = forward_outputs(filter_eps=filter_eps, vocab_sorting=vocab_sorting,
+                              softcap=softcap, label_smoothing=label_smoothing,
+                              needs_grad=needs_grad, entropy=entropy, argmax=argmax,
+                              deterministic=deterministic, backward_reads_copy=backward_reads_copy
+                              and grad_c_follows)
+    plan = replace(outputs, copies_classifier=copies or outputs.keeps_classifier_copy)
     _SEAM.record(plan)
     return plan
 
@@ -90,11 +97,14 @@ def plan_forward(num_tokens: int, dim: int, *, filter_eps: Optional[float], voca
 def forward_outputs(*, filter_eps: Optional[float], vocab_sorting: bool,
                     softcap: Optional[float], label_smoothing: float, needs_grad: bool,
                     entropy: bool = False, argmax: bool = False,
-                    deterministic: bool = False) -> ForwardPlan:
+                    deterministic: bool = False, backward_reads_copy: bool = False
+                    ) -> ForwardPlan:
     """The part of the plan that the options alone decide (what the forward computes: the
-    outputs' shapes follow from it), reading no size; ``copies_classifier`` False."""
+    outputs' shapes follow from it), reading no size; ``copies_classifier`` False.
+    ``backward_reads_copy``: the backward that computes dC would read a sorted copy of ``c``."""
     records_bounds = needs_grad and filter_eps is not None
-    return ForwardPlan(records_bounds=records_bounds, sorts=records_bounds and vocab_sorting,
+    sorts = records_bounds and vocab_sorting
+    return ForwardPlan(records_bounds=records_bounds, sorts=sorts,
                        sums_curvature=bool(label_smoothing) and softcap is not None and needs_grad,
-                       copies_classifier=False, entropy=entropy, argmax=argmax,
-                       deterministic=deterministic)
+                       copies_classifier=False, keeps_classifier_copy=sorts and backward_reads_copy,
+                       entropy=entropy, argmax=argmax, deterministic=deterministic)
