@@ -128,17 +128,16 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                             torch.Tensor, torch.Tensor]:
     """(per-token loss, lse, entropy, argmax, target complement, target positions, vocabulary
     order, tile bounds, curvature sum, classifier row sum, entropy terms, classifier copy):
-    float32 (N,), float32
-    (N,), float32 (N,) with ``return_entropy`` or empty, int64 (N,) with ``return_argmax`` or
-    empty, float32 (N,) ``1 - p_y`` (:func:`cce.weighting.target_complement`), int32 (N,),
-    int32 (V,) or empty, float32 live-grid table or empty, float32 (N,) with a softcap, label
-    smoothing and ``needs_grad`` (:meth:`cce.weighting.LossWeighting.rank_one_term`) or empty,
-    float32 (D,) with the order or empty, float32 (2, N) with the entropy and ``needs_grad``
+    float32 (N,), float32 (N,), float32 (N,) with ``return_entropy`` or empty, int64 (N,) with
+    ``return_argmax`` or empty, float32 (N,) ``1 - p_y``
+    (:func:`cce.weighting.target_complement`), int32 (N,), int32 (V,) or empty, float32
+    live-grid table or empty, float32 (N,) with a softcap, label smoothing and ``needs_grad``
+    (:meth:`cce.weighting.LossWeighting.rank_one_term`) or empty, float32 (D,) with the order or
+    empty, float32 (2, N) with the entropy and ``needs_grad``
     (:attr:`ForwardResults.entropy_terms`) or empty, ``c``'s rows in position order where the
-    backward reads them from the forward's copy
-    (:func:`cce.backward.embeddings_product.reads_sorted_copy`) or empty. Targets are canonical
-    (int64, -1 = ignored); ``weight`` (float32 (V,)) and ``label_smoothing`` as in
-    :mod:`cce.weighting`.
+    backward reads the forward's copy (:func:`cce.backward.embeddings_product.reads_sorted_copy`)
+    or empty. Targets are canonical (int64, -1 = ignored); ``weight`` (float32 (V,)) and
+    ``label_smoothing`` as in :mod:`cce.weighting`.
     ``needs_grad``: a backward will follow, so the forward prepares the filter's skipping;
     ``grad_c_follows``: that backward computes dC (:func:`cce.forward.plan.plan_forward`);
     ``filter_correction`` and ``keep_tiles`` are the backward's (see :func:`loss_backward`);

@@ -4,8 +4,8 @@
 Made once per backward call, from the shapes, the request and the live table: the path (the one
 pass, or two passes with pass 1 in whole rows of the grid or in slots), each pass's chunks, where
 each chunk's scratch lives and how large it is, the buffers (the gradients, pass 1's flags, the
-slot maps, the filter correction's kept mass) and every product's launch settings, from the
-kernel settings looked up once.
+slot maps, the filter correction's kept mass), whether the tiles' products read c's rows in
+position order, and every product's launch settings, from the kernel settings looked up once.
 
 Deciding needs one number that only the GPU has: the live tiles per vocabulary block (whether
 the one pass fits) or per token block (pass 1's slot chunks). Their copy to the host is queued
@@ -238,7 +238,7 @@ class _Problem(NamedTuple):
     configs: KernelConfigs
     choices: PlanChoices
     host_may_sync: bool
-    rows_by_position: Optional[torch.Tensor]  # BackwardPlan.classifier_by_position
+    classifier_by_position: Optional[torch.Tensor]  # as BackwardPlan's
 
     @property
     def grid_shape(self) -> "tuple[int, int]":
@@ -265,10 +265,9 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest,
     the gradients and queues the work of the one host sync."""
     e, c = recompute.e, recompute.c
     choices = _SEAM.choices
-    rows_by_position = (None if choices.gathered_rows else classifier_by_position(
+    rows = (None if choices.gathered_rows else classifier_by_position(
         e, c, recompute.vocab_order, recompute.sorted_classifier))
-    problem = _Problem(recompute, request, configs, choices, host_may_sync(e.device),
-                       rows_by_position)
+    problem = _Problem(recompute, request, configs, choices, host_may_sync(e.device), rows)
     grad_c = (torch.empty(c.shape, dtype=c.dtype, device=c.device)
               if request.needs_grad_c else None)
     grad_bias = (torch.empty_like(recompute.bias)
@@ -303,7 +302,7 @@ def plan_backward(recompute: RecomputeInputs, request: BackwardRequest,
             pass_two = None
     plan = BackwardPlan(problem.configs, problem.host_may_sync, request.live_tiles,
                         Gradients(grad_e, grad_c, grad_bias), correction, one_pass, pass_one,
-                        classifier, pass_two, rows_by_position)
+                        classifier, pass_two, rows)
     _SEAM.record(plan)
     return plan
 
@@ -690,7 +689,7 @@ def _one_pass_embeddings_product(problem: _Problem, token_blocks: int,
     where it applies and the tile products read c's rows in position order
     (:attr:`BackwardPlan.classifier_by_position`)."""
     settings = _embeddings_product(problem, token_blocks, True, 0)
-    recompute, configs, rows = problem.recompute, problem.configs, problem.rows_by_position
+    recompute, configs, rows = problem.recompute, problem.configs, problem.classifier_by_position
     if (rows is not None and not problem.choices.triton_embeddings_product
             and embeddings_product.usable(rows, configs.embeddings_product,
                                           recompute.rank_one is not None, settings.splits,
