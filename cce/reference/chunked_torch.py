@@ -265,7 +265,8 @@ class ChunkedGradients(torch.autograd.Function):
             uniform_scale = uniform_scale.unsqueeze(1)
             uniform_weight = (torch.ones(c.shape[0], dtype=compute, device=c.device)
                               if weight is None else weight)
-        softmax_shift = _softmax_shift(lse)
+        # The logits' shift, where the softmax is recomputed rather than kept.
+        softmax_shift = _softmax_shift(lse) if softmax is None else None
         scatter_index = targets.clamp(min=0).unsqueeze(1)
 
         c32, bias32 = c.to(compute), None if bias is None else bias.to(compute)
