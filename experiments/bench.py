@@ -437,7 +437,9 @@ def _report(rows: list[dict[str, Any]], shape_info: dict[str, dict[str, Any]],
                   "loss (with its label smoothing, z_loss, temperature or entropy bonus)",
         "backward_path": "the backward that cce's plan chose for the row, from one untimed "
                          "call: one pass, two passes (pass 1 in slots or in whole rows), dE "
-                         "alone (frozen classifier), or dense (memory='fast')",
+                         "alone (frozen classifier), or dense (memory='fast'); 'c by "
+                         "position': the tile products read c's rows in position order (the "
+                         "forward's sorted copy with keep_tiles on Hopper, or no sorting)",
         "l2_cache_mb": l2_cache_mb,
     }
     if measured is not None:

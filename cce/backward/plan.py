@@ -219,15 +219,17 @@ class BackwardPlan(NamedTuple):
     @property
     def path(self) -> str:
         """The path in words, for reports: "one pass", "two passes" (pass 1 "in slots" or "in
-        whole rows"), "dE alone" (a frozen classifier) or "dC alone"."""
+        whole rows"), "dE alone" (a frozen classifier) or "dC alone"; then ", c by position"
+        where the tile products read c's rows in position order."""
+        by_position = ", c by position" if self.classifier_by_position is not None else ""
         if self.one_pass is not None:
-            return "one pass"
+            return "one pass" + by_position
         if self.pass_one is None:
-            return "dC alone"
+            return "dC alone" + by_position
         rows = "in slots" if self.pass_one.slot_map is not None else "in whole rows"
         if self.pass_two is None and self.classifier is None:
-            return f"dE alone, {rows}"
-        return f"two passes, pass 1 {rows}"
+            return f"dE alone, {rows}{by_position}"
+        return f"two passes, pass 1 {rows}{by_position}"
 
 
 class _Problem(NamedTuple):
