@@ -533,11 +533,12 @@ def test_tiles_read_by_descriptor_are_the_gathered_tiles_bit_for_bit(
     assert torch.equal(by_descriptor[1], gathered[1])
 
 
-@pytest.mark.parametrize("vocab_sorting, keep_tiles, dim", [(True, True, 200), (False, False, 512),
-                                                            (True, False, 512)],
-                         ids=["sorted-kept-tiles", "unsorted-in-dC", "sorted-in-dC"])
+@pytest.mark.parametrize("vocab_sorting, keep_tiles, dim, dtype", [
+    (True, True, 200, torch.bfloat16), (True, True, 200, torch.float16),
+    (False, False, 512, torch.bfloat16), (True, False, 512, torch.bfloat16)],
+    ids=["sorted-kept-tiles", "sorted-kept-tiles-fp16", "unsorted-in-dC", "sorted-in-dC"])
 def test_embeddings_product_by_tma_is_the_triton_product_bit_for_bit(
-        vocab_sorting: bool, keep_tiles: bool, dim: int, device: str,
+        vocab_sorting: bool, keep_tiles: bool, dim: int, dtype: torch.dtype, device: str,
         gen: torch.Generator) -> None:
     """On a Hopper GPU with 16-bit inputs, the one pass's dE comes from
     cce.backward.embeddings_product, which copies rows of c by TMA, where they lie in position
@@ -546,12 +547,12 @@ def test_embeddings_product_by_tma_is_the_triton_product_bit_for_bit(
     Triton product's dE to the bit, the filter correction included, with partial token,
     vocabulary and output blocks. With sorting and the tiles in dC's rows (no copy), the Triton
     product runs."""
-    if not cce.backward.classifier_product.available(torch.device(device), torch.bfloat16):
+    if not cce.backward.classifier_product.available(torch.device(device), dtype):
         pytest.skip("needs a Hopper GPU and Triton 3.6")
-    vocab, _ = _shape(torch.bfloat16, 9)
-    tokens = 2 * kernel_configs(torch.bfloat16).live_grid.block_tokens - 7
+    vocab, _ = _shape(dtype, 9)
+    tokens = 2 * kernel_configs(dtype).live_grid.block_tokens - 7
     e, c, targets = peaked_inputs(gen, device, tokens, vocab, dim)
-    gradients = _gradients_of_one_forward(e.bfloat16(), c.bfloat16(), targets, gen,
+    gradients = _gradients_of_one_forward(e.to(dtype), c.to(dtype), targets, gen,
                                           vocab_sorting=vocab_sorting, keep_tiles=keep_tiles)
     by_tma = not vocab_sorting or keep_tiles
     # One program per output block (no split): the kernel's condition, which a GPU's many
