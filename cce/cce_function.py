@@ -148,7 +148,8 @@ def loss_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                         label_smoothing=label_smoothing, needs_grad=needs_grad,
                         grad_c_follows=grad_c_follows, entropy=return_entropy,
                         argmax=return_argmax, deterministic=deterministic,
-                        backward_reads_copy=reads_sorted_copy(c, keep_tiles, label_smoothing))
+                        backward_reads_copy=reads_sorted_copy(c, keep_tiles, label_smoothing,
+                                                              grad_c_follows))
     logit_sum = (torch.zeros(targets.shape, dtype=torch.float32, device=e.device)
                  if label_smoothing else None)
     curvature_sum = torch.zeros_like(logit_sum) if plan.sums_curvature else None
@@ -173,8 +174,8 @@ def _loss_forward_fake(e, c, bias, targets, weight, softcap, filter_eps, vocab_s
     num_tokens, vocab_size = e.shape[0], c.shape[0]
     plan = forward_outputs(filter_eps=filter_eps, vocab_sorting=vocab_sorting, softcap=softcap,
                            label_smoothing=label_smoothing, needs_grad=needs_grad,
-                           backward_reads_copy=grad_c_follows
-                           and reads_sorted_copy(c, keep_tiles, label_smoothing))
+                           backward_reads_copy=reads_sorted_copy(c, keep_tiles, label_smoothing,
+                                                                 grad_c_follows))
     grid = kernel_configs(e.dtype).live_grid  # lse_forward's table: one row per token block
     bound_shape = ((cdiv(num_tokens, grid.block_tokens),
                     cdiv(vocab_size, grid.block_vocab)) if plan.records_bounds

@@ -67,13 +67,17 @@ def usable(e: torch.Tensor, config: KernelConfig, grad_bias: Optional[torch.Tens
            has_rank_one: bool, pages: Optional[torch.Tensor]) -> bool:
     """Whether this kernel can compute the dC product of these operands, where ``config`` (its
     :attr:`cce.config.KernelConfigs.classifier_product`) uses it. ``pages``: the matrix whose
-    rows hold the stored tiles (dC), None where they are in buffers of their own (whose
-    segments, fresh allocations of 128 entries, are aligned)."""
+    rows hold the stored tiles (dC), None for buffers of their own (:func:`copies_segments`)."""
     return (config.step_depth > 0 and available(e.device, e.dtype) and grad_bias is None
-            and not has_rank_one and tma_copies_rows(e)
-            # cp.async: the stored tiles in 16-byte segments.
-            and (pages is None or (pages.data_ptr() % 16 == 0
-                                   and (pages.shape[1] * pages.element_size()) % 16 == 0)))
+            and not has_rank_one and tma_copies_rows(e) and copies_segments(pages))
+
+
+def copies_segments(pages: Optional[torch.Tensor]) -> bool:
+    """Whether cp.async can copy the stored tiles in 16-byte pieces: always from a buffer of
+    their own (``pages`` None: fresh allocations of 128 entries), from the rows of ``pages``
+    (dC) where they start and run 16-byte aligned."""
+    return pages is None or (pages.data_ptr() % 16 == 0
+                             and (pages.shape[1] * pages.element_size()) % 16 == 0)
 
 
 if gluon is not None:

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from cce.backward.classifier_product import available
+from cce.backward.classifier_product import available, copies_segments
 from cce.backward.epilogue_terms import FilterCorrection
 from cce.backward.gradient_tiles import KEPT_MASS_ONE, KEPT_MASS_UNIT
 from cce.backward.product_arguments import ProductIO, ProductSettings, ProductTiles
@@ -60,19 +60,19 @@ def usable(c: torch.Tensor, config: KernelConfig, has_rank_one: bool, splits: in
     program per output block, rows of c and of the stored tiles (``pages``: the matrix whose
     rows hold them, None for a buffer of their own) in 16-byte pieces."""
     return (config.step_depth > 0 and available(c.device, c.dtype) and not has_rank_one
-            and splits == 1 and tma_copies_rows(c)
-            and (pages is None or (pages.data_ptr() % 16 == 0
-                                   and (pages.shape[1] * pages.element_size()) % 16 == 0)))
+            and splits == 1 and tma_copies_rows(c) and copies_segments(pages))
 
 
-def reads_sorted_copy(c: torch.Tensor, keep_tiles: bool, label_smoothing: float) -> bool:
+def reads_sorted_copy(c: torch.Tensor, keep_tiles: bool, label_smoothing: float,
+                      grad_c_follows: bool) -> bool:
     """Whether a sorting backward's one pass with ``keep_tiles`` would read a copy of ``c`` in
     position order, this kernel's operand, which the forward then makes and keeps for it
-    (:mod:`cce.forward.plan`): on Hopper GPUs, 16-bit ``c`` in rows of 16-byte pieces, no
+    (:mod:`cce.forward.plan`): where the backward computes dC (``grad_c_follows``; the one pass
+    needs both gradients), on Hopper GPUs, for 16-bit ``c`` in rows of 16-byte pieces, without
     label smoothing (its rank-one term). Decided from the options, device, dtype and shape
     alone, as the ops' fake implementations must."""
-    return (keep_tiles and not label_smoothing and available(c.device, c.dtype)
-            and (c.shape[1] * c.element_size()) % 16 == 0)
+    return (keep_tiles and grad_c_follows and not label_smoothing
+            and available(c.device, c.dtype) and (c.shape[1] * c.element_size()) % 16 == 0)
 
 
 if gluon is not None:

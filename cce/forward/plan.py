@@ -87,8 +87,8 @@ def plan_forward(num_tokens: int, dim: int, *, filter_eps: Optional[float], voca
     outputs = forward_outputs(filter_eps=filter_eps, vocab_sorting=vocab_sorting,
                               softcap=softcap, label_smoothing=label_smoothing,
                               needs_grad=needs_grad, entropy=entropy, argmax=argmax,
-                              deterministic=deterministic, backward_reads_copy=backward_reads_copy
-                              and grad_c_follows)
+                              deterministic=deterministic,
+                              backward_reads_copy=backward_reads_copy)
     plan = replace(outputs, copies_classifier=copies or outputs.keeps_classifier_copy)
     _SEAM.record(plan)
     return plan
@@ -101,7 +101,7 @@ def forward_outputs(*, filter_eps: Optional[float], vocab_sorting: bool,
                     ) -> ForwardPlan:
     """The part of the plan that the options alone decide (what the forward computes: the
     outputs' shapes follow from it), reading no size; ``copies_classifier`` False.
-    ``backward_reads_copy``: the backward that computes dC would read a sorted copy of ``c``."""
+    ``backward_reads_copy``: a sorting backward would read a sorted copy of ``c``."""
     records_bounds = needs_grad and filter_eps is not None
     sorts = records_bounds and vocab_sorting
     return ForwardPlan(records_bounds=records_bounds, sorts=sorts,
