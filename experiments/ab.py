@@ -22,7 +22,6 @@ Inputs: the bench's shapes (:data:`experiments.bench.SHAPES`), LM-like synthetic
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import importlib
 import io
@@ -43,7 +42,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from experiments.bench import SHAPES, _synthetic_inputs
 from experiments.harness import (INTERPRETER_CAVEAT, ON_GPU, REPOSITORY, environment,
-                                 kernels_interpreted, log, progress)
+                                 kernels_interpreted, log, loss_option, progress)
 
 TREE = "tree"
 TREE_COPY = "tree copy"
@@ -230,14 +229,6 @@ def _kernel_report(packages: "dict[str, Any]", e: torch.Tensor, c: torch.Tensor,
     return medians
 
 
-def _option(text: str) -> "tuple[str, Any]":
-    key, _, value = text.partition("=")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value  # a plain string: memory=fast
-
-
 def main(argv: "Sequence[str] | None" = None) -> "dict[str, Comparison]":
     """The command line (module docstring); each shape's :class:`Comparison`."""
     parser = argparse.ArgumentParser(prog="python -m experiments.ab", description=(
@@ -249,7 +240,7 @@ def main(argv: "Sequence[str] | None" = None) -> "dict[str, Comparison]":
     parser.add_argument("--rounds", type=int, default=10 if ON_GPU else 2)
     parser.add_argument("--steps", type=int, default=10 if ON_GPU else 1,
                         help="steps per variant and round (their median is the round's)")
-    parser.add_argument("--option", type=_option, action="append", default=[],
+    parser.add_argument("--option", type=loss_option, action="append", default=[],
                         metavar="KEY=VALUE", help="a loss option for every variant")
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="then profile the variants, alternating, and report the N "

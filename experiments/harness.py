@@ -7,6 +7,7 @@ about GPU performance (the Triton kernels run in the interpreter), and the resul
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import importlib.metadata
 import json
@@ -110,6 +111,19 @@ def run_mode(args: argparse.Namespace, measures: bool = True) -> tuple[bool, Pat
         log("No CUDA device: running in --quick mode (a smoke test; Triton's interpreter runs "
             "the kernels).")
     return quick, default_out_dir(quick) if args.out is None else args.out
+
+
+def loss_option(text: str) -> tuple[str, Any]:
+    """One ``--option KEY=VALUE`` of the command-line tools: a keyword of
+    ``cce.linear_cross_entropy`` and its value as a Python literal (``keep_tiles=True``,
+    ``filter_eps=None``), or as a plain string where it is none (``memory=fast``)."""
+    key, separator, value = text.partition("=")
+    if not separator or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def log(message: str) -> None:

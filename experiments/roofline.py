@@ -1,13 +1,13 @@
 """Roofline of cce's kernels: each step's time, its throughput and its ratio to cuBLAS on the
 same amount of work, at the benchmark's shapes (``python -m experiments.roofline``).
 
-One forward+backward call (bf16, filter and sorting, the defaults) is traced step by step with
-CUDA events recorded around each of cce's launchers, so the steps add up to the call. A step's
-time in the call also counts the GPU waiting for the host to queue its kernels; each step is
-therefore timed a second time with the GPU held busy (``torch.cuda._sleep``) until the host has
-queued all of the step's kernels, which then run back to back: its kernel time, from which the
-throughputs below are computed. cuBLAS and the copy are timed the same way: after idling, the
-GPU runs the next kernels several percent slower. Work:
+One forward+backward call (bf16; the default options, or those of ``--option KEY=VALUE``) is
+traced step by step with CUDA events recorded around each of cce's launchers, so the steps add
+up to the call. A step's time in the call also counts the GPU waiting for the host to queue its
+kernels; each step is therefore timed a second time with the GPU held busy
+(``torch.cuda._sleep``) until the host has queued all of the step's kernels, which then run back
+to back: its kernel time, from which the throughputs below are computed. cuBLAS and the copy are
+timed the same way: after idling, the GPU runs the next kernels several percent slower. Work:
 
 - matrix steps (the forward's log-sum-exp, the backward's recomputes and products) in FLOPs:
   ``2 * 128 * 128 * D`` per live-grid tile they touch. Their "cuBLAS" column is the time
@@ -40,7 +40,8 @@ import cce.cce_function
 from cce.backward.gradient_tiles import TileStore
 from cce.backward.sparse_tile_matmul import Product
 from cce.config import kernel_configs
-from experiments.harness import ON_GPU, WrittenResults, add_sections, progress, write_results
+from experiments.harness import (ON_GPU, WrittenResults, add_sections, loss_option, progress,
+                                 write_results)
 from experiments.synthetic import lm_like_inputs
 
 # (name, description, N, V, D): the benchmark's synthetic shapes (its small batch included).
@@ -203,8 +204,8 @@ def cublas_tflops(n: int, v: int, d: int, warmup: int, repeats: int) -> dict[str
 
 
 def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: int,
-                  repeats: int, bandwidth_gbs: float) -> tuple[list[dict[str, Any]],
-                                                            dict[str, Any]]:
+                  repeats: int, bandwidth_gbs: float, options: dict[str, Any]
+                  ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     rates = cublas_tflops(n, v, d, warmup, repeats)
     torch.cuda.empty_cache()  # cuBLAS's operands, freed on return
     gemm_ms = 2 * n * v * d / rates["logits, idle start"] / 1e9
@@ -212,11 +213,11 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
 
     def forward_backward() -> None:
         e.grad = c.grad = None
-        cce.linear_cross_entropy(e, c, targets).backward()
+        cce.linear_cross_entropy(e, c, targets, **options).backward()
 
     def forward() -> None:
         with torch.no_grad():
-            cce.linear_cross_entropy(e, c, targets)
+            cce.linear_cross_entropy(e, c, targets, **options)
 
     total_ms = median_ms(forward_backward, warmup, repeats)
     forward_ms = median_ms(forward, warmup, repeats)
@@ -303,8 +304,11 @@ def measure_shape(name: str, description: str, n: int, v: int, d: int, warmup: i
 
 
 def run(quick: bool, out_dir: Path, repeats: Optional[int] = None,
-        shape_names: Optional[list[str]] = None) -> WrittenResults:
-    """``shape_names``: a subset of SHAPES' names (None: all)."""
+        shape_names: Optional[list[str]] = None,
+        options: Optional[dict[str, Any]] = None) -> WrittenResults:
+    """``shape_names``: a subset of SHAPES' names (None: all); ``options``: keywords of every
+    call (None: the defaults), which name the results ``roofline_<key>-<value>...``."""
+    options = options or {}
     if not ON_GPU:
         raise SystemExit("experiments.roofline needs a CUDA device (it times GPU kernels)")
     shapes = QUICK_SHAPES if quick else SHAPES
@@ -316,11 +320,13 @@ def run(quick: bool, out_dir: Path, repeats: Optional[int] = None,
     rows, summaries = [], []
     for name, description, n, v, d in progress(shapes, "roofline"):
         shape_rows, summary = measure_shape(name, description, n, v, d, warmup, repeats,
-                                            bandwidth)
+                                            bandwidth, options)
         torch.cuda.empty_cache()  # the shape's inputs, freed on return
         rows += shape_rows
         summaries.append(summary)
-    meta = {"dtype": "bfloat16", "options": "defaults (filter 2^-12, sorting, correction)",
+    shown_options = ", ".join(f"{key}={value!r}" for key, value in options.items())
+    meta = {"dtype": "bfloat16",
+            "options": shown_options or "defaults (filter 2^-12, sorting, correction)",
             "inputs": "experiments.synthetic.lm_like_inputs (seed 1)",
             "copy bandwidth GB/s (read + write)": bandwidth,
             "timing": (f"CUDA events, median of {repeats} after {warmup} warm-up calls; ms: the "
@@ -329,7 +335,8 @@ def run(quick: bool, out_dir: Path, repeats: Optional[int] = None,
                        "cuBLAS and the copy are timed queued ahead too; steps and shares are "
                        "of the traced call, whose tracing adds host time; GEMM units below are "
                        "of untraced calls")}
-    written = write_results("roofline", rows, meta, out_dir, group_by="shape")
+    stem = "_".join(["roofline"] + [f"{key}-{value}" for key, value in options.items()])
+    written = write_results(stem, rows, meta, out_dir, group_by="shape")
     lines = ["## Forward and forward+backward in GEMM units", "",
              "| shape | GEMM ms | forward | fwd+bwd | f | ideal 1+4f | ideal 1+3f |",
              "|---|---|---|---|---|---|---|"]
@@ -350,10 +357,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     names = [s[0] for s in SHAPES]
     parser.add_argument("--shapes", nargs="+", choices=names, metavar="SHAPE",
                         help="a subset of the shapes (default: all): " + ", ".join(names))
+    parser.add_argument("--option", type=loss_option, action="append", default=[],
+                        metavar="KEY=VALUE", help="a loss option of every call (memory=fast, "
+                        "keep_tiles=True, ...)")
     args = parser.parse_args(argv)
     if args.quick and args.shapes:
         parser.error("--shapes picks among the full shapes; --quick has one tiny shape")
-    written = run(args.quick, args.out, args.repeats, args.shapes)
+    written = run(args.quick, args.out, args.repeats, args.shapes, dict(args.option))
     print(written.markdown)
 
 

@@ -344,3 +344,28 @@ def test_ab_compares_a_revision_with_the_tree_in_one_process(
     assert "of the tree" in said and "bit for bit in deterministic mode" in said
     assert busiest[:70] in said
     assert (harness.INTERPRETER_CAVEAT in said) == (not harness.ON_GPU)
+
+
+def test_the_tools_take_loss_options_as_key_equals_value() -> None:
+    """``--option KEY=VALUE`` of ``experiments.ab`` and ``experiments.roofline``: the value as a
+    Python literal where it is one, else as a string; anything but KEY=VALUE is refused with
+    argparse's message (exit status 2)."""
+    import argparse
+
+    from experiments import roofline
+    from experiments.harness import ON_GPU, loss_option
+
+    assert loss_option("keep_tiles=True") == ("keep_tiles", True)
+    assert loss_option("filter_eps=None") == ("filter_eps", None)
+    assert loss_option("filter_eps=2**-10") == ("filter_eps", "2**-10")  # not a literal
+    assert loss_option("label_smoothing=0.1") == ("label_smoothing", 0.1)
+    assert loss_option("memory=fast") == ("memory", "fast")
+    for text in ("memory", "=fast", "no such=1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
+            loss_option(text)
+    with pytest.raises(SystemExit) as refused:
+        roofline.main(["--option", "memory"])
+    assert refused.value.code == 2
+    if not ON_GPU:
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            roofline.main(["--option", "memory=fast", "--shapes", "llama3_8b"])
