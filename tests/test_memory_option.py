@@ -173,6 +173,32 @@ def test_fast_at_small_batches_keeps_the_gradient_in_grad_c(
     assert kept_transposed == [(inputs.c.shape[0], 11), (inputs.c.shape[0], 7)]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA memory")
+def test_fast_at_small_batches_peaks_at_the_gradients_and_a_scaled_copy_of_e(
+        gen: torch.Generator) -> None:
+    """With G^T in dC's buffer (N 1024 <= D / 2, V above the dense path's limit) forward and
+    backward hold no more than dE + dC, the rows of e scaled for dC's product (N x D in e's
+    dtype), the copied tail of G^T and 1 MiB: G C, float32 N x D, waits in the buffer's head."""
+    num_tokens, dim, vocab_size = 1024, 2048, cce.config.DENSE_MAX_VOCAB + 1000
+    e = (torch.randn(num_tokens, dim, generator=gen) / dim**0.5).to("cuda", torch.bfloat16)
+    c = torch.randn(vocab_size, dim, generator=gen).to("cuda", torch.bfloat16)
+    targets = torch.randint(0, vocab_size, (num_tokens,), generator=gen).to("cuda")
+    e.requires_grad_()
+    c.requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss = cce.linear_cross_entropy(e, c, targets, memory="fast")
+    assert any("Dense" in name for name in autograd_functions(loss))
+    loss.backward()
+    torch.cuda.synchronize()
+    gradients = (e.numel() + c.numel()) * e.element_size()
+    scaled_e = e.numel() * e.element_size()
+    above = torch.cuda.max_memory_allocated() - before
+    assert above <= gradients + scaled_e + cce.config.DENSE_IN_PLACE_TAIL_BYTES + 2**20, (
+        f"{(above - gradients) / 2**20:.1f} MiB above dE + dC")
+
+
 def test_fast_at_small_batches_backward_twice_raises(device: str, gen: torch.Generator,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The backward writes dC over the kept gradient: a second one through the same graph
@@ -284,8 +310,8 @@ def test_dense_ops_pass_torch_library_opcheck(device: str, gen: torch.Generator)
     # mutates an input takes none).
     torch.library.opcheck(dense_forward_in_grad_c, forward_args, rtol=1e-2, atol=1e-3,
                           test_utils=("test_schema", "test_faketensor"))
-    _, _, product = dense_forward_in_grad_c(*forward_args)
+    dense_forward_in_grad_c(*forward_args)
     grad_loss = torch.rand(targets.shape, generator=gen).to(device)
-    backward_args = (e, c, inputs.bias, targets, weight, buffer, product, grad_loss,
+    backward_args = (e, c, inputs.bias, targets, weight, buffer, True, grad_loss,
                      torch.randn_like(grad_loss))
     torch.library.opcheck(dense_backward_in_grad_c, backward_args, rtol=1e-2, atol=1e-3)

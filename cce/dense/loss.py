@@ -17,20 +17,20 @@ options whose gradient is that (no softcap, label smoothing or entropy: :func:`d
 memory dC will take. Above :data:`cce.config.DENSE_MAX_VOCAB`, where G kept apart would be
 large, the forward allocates dC's buffer and keeps ``G^T`` (V x N) at its tail;
 its float32 logits, ``(D - N) / 2`` tokens at a time, use the buffer's head as scratch. dE's
-product ``G C`` (float32 N x D) needs no upstream gradient: the forward queues it last, so that
-the GPU runs it while the host returns the loss and starts the backward (at small N the host's
-work between the two is as long as the forward's GEMMs). The backward scales it into dE, then
-writes dC over the buffer in segments of increasing vocabulary rows, each ending where the
-first G^T row it reads begins:
+product ``G C`` (float32 N x D) needs no upstream gradient: the forward queues it last, into the
+buffer's head, so that the GPU runs it while the host returns the loss and starts the backward
+(at small N the host's work between the two is as long as the forward's GEMMs). The backward
+scales it into dE, then writes dC over the buffer in segments of increasing vocabulary rows,
+each ending where the first G^T row it reads begins:
 
     rows [s, t) of dC fill elements [s D, t D);  row u of G^T starts at V (D - N) + u N;
     t = V - ceil((V - s) N / D)  keeps t D <= V (D - N) + s N,
 
 so no segment overwrites a row of G^T not yet read; the rows left shrink by N / D per segment,
-and the last few MB are copied out first. No memory beyond dE + dC + G C (at most D^2 / 2
-float32) for any vocabulary (the buffer and G C are held from the forward, as the copy of ``c``
-is, :mod:`cce.forward.plan`), but the backward consumes G: a second backward through the same
-graph raises.
+and the last few MB are copied out first. No memory beyond dE + dC and a few MB for any
+vocabulary (the buffer is held from the forward, as the copy of ``c`` is,
+:mod:`cce.forward.plan`), but the backward consumes G: a second backward through the same graph
+raises.
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def keeps_gradient_in_grad_c(e: torch.Tensor, c: torch.Tensor) -> bool:
     not take a backward that writes over a tensor saved by the forward)."""
     num_tokens, dim = e.shape
     return (c.shape[0] > DENSE_MAX_VOCAB and 0 < 2 * num_tokens <= dim
-            and _logit_rows_in_head(num_tokens, dim) > 0 and e.dtype == c.dtype
+            and _logit_rows_in_head(num_tokens, dim) > 0
+            and 2 * num_tokens * dim <= c.shape[0] * (dim - num_tokens)  # G C in the head
+            and e.dtype == c.dtype
             and e.dtype in (torch.bfloat16, torch.float16) and needs_gradient(c)
             and not torch.compiler.is_compiling()  # first: Dynamo cannot trace the next one
             and not torch._C._functorch.is_functorch_wrapped_tensor(e))
@@ -111,25 +113,26 @@ def _dense_forward_fake(e, c, bias, targets, weight, needs_grad):
 def dense_forward_in_grad_c(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                             targets: torch.Tensor, weight: Optional[torch.Tensor],
                             buffer: torch.Tensor, needs_grad_e: bool
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-token loss, lse, G C) as :func:`dense_forward`, with ``G^T`` written to the tail of
-    dC's flat ``buffer`` (:func:`_transposed_view`), whose head holds the first chunk's float32
-    logits (:func:`queue_first_logits`). ``G C``, float32 (N, D) when ``needs_grad_e`` (else
-    empty), is dE's product before its row scales: it needs no upstream gradient, so it is
-    queued here, and the GPU runs it while the host returns the loss and starts the backward.
-    No registered autograd formula (PyTorch takes none for an op that mutates an input):
-    :class:`_DenseLinearCrossEntropy` carries it."""
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss, lse) as :func:`dense_forward`, with ``G^T`` written to the tail of dC's
+    flat ``buffer`` (:func:`_transposed_view`), whose head holds the first chunk's float32
+    logits (:func:`queue_first_logits`), then, when ``needs_grad_e``, ``G C`` (float32 (N, D),
+    :func:`_product_in_head`): dE's product before its row scales needs no upstream gradient,
+    so it is queued here, and the GPU runs it while the host returns the loss and starts the
+    backward. No registered autograd formula (PyTorch takes none for an op that mutates an
+    input): :class:`_DenseLinearCrossEntropy` carries it."""
+    num_tokens, dim = e.shape
     loss, lse, _ = _dense_forward(e, c, bias, targets, weight, True, buffer)
-    product = (_float32_product(_transposed_view(buffer, e.shape[0], c.shape[0]).T, c)
-               if needs_grad_e else e.new_empty(0, dtype=torch.float32))
-    return loss, lse, product
+    if needs_grad_e:
+        _float32_product(_transposed_view(buffer, num_tokens, c.shape[0]).T, c,
+                         _product_in_head(buffer, num_tokens, dim))
+    return loss, lse
 
 
 @dense_forward_in_grad_c.register_fake
 def _dense_forward_in_grad_c_fake(e, c, bias, targets, weight, buffer, needs_grad_e):
     return (e.new_empty(e.shape[0], dtype=torch.float32),
-            e.new_empty(e.shape[0], dtype=torch.float32),
-            e.new_empty(e.shape if needs_grad_e else (0,), dtype=torch.float32))
+            e.new_empty(e.shape[0], dtype=torch.float32))
 
 
 def _dense_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
@@ -195,6 +198,12 @@ def _float32_product(a: torch.Tensor, b: torch.Tensor,
     if out is None:
         return torch.mm(a.float(), b.float())
     return torch.mm(a.float(), b.float(), out=out)
+
+
+def _product_in_head(buffer: torch.Tensor, num_tokens: int, dim: int) -> torch.Tensor:
+    """G C, float32 (N, D), at the head of dC's flat buffer once the forward's logits are
+    consumed; dE reads it before the backward's first segment of dC overwrites it."""
+    return buffer[:2 * num_tokens * dim].view(torch.float32).view(num_tokens, dim)
 
 
 def _logit_rows_in_head(num_tokens: int, dim: int) -> int:
@@ -295,22 +304,23 @@ def _dense_backward_fake(e, c, bias, targets, weight, gradient, grad_loss, grad_
             c.new_empty(bias.shape if needs_grad_c and bias is not None else (0,)))
 
 
-@torch.library.custom_op("cce::dense_backward_in_grad_c", mutates_args=("buffer", "product"))
+@torch.library.custom_op("cce::dense_backward_in_grad_c", mutates_args=("buffer",))
 @without_autocast
 def dense_backward_in_grad_c(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                              targets: torch.Tensor, weight: Optional[torch.Tensor],
-                             buffer: torch.Tensor, product: Optional[torch.Tensor],
+                             buffer: torch.Tensor, needs_grad_e: bool,
                              grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dE, dbias), each empty when not needed, as :func:`dense_backward`, from G^T kept in
-    dC's ``buffer`` and G C (:func:`dense_forward_in_grad_c`; None: no dE), which receive dC
-    (V * D, flat) and dE's float32 scaling: see the module's note for the order that keeps
-    every row of G^T until it is read."""
+    """(dE, dbias), each empty when not needed, as :func:`dense_backward`, from G^T and (with
+    ``needs_grad_e``) G C kept in dC's ``buffer`` by :func:`dense_forward_in_grad_c`, which
+    receives dC (V * D, flat): see the module's note for the order that keeps every row of G^T
+    and G C until it is read."""
     num_tokens, dim = e.shape
     vocab_size = c.shape[0]
     scales = _RowScales(targets, weight, grad_loss, grad_lse, vocab_size, e.dtype)
     gradient_t = _transposed_view(buffer, num_tokens, vocab_size)
-    grad_e = scales.grad_e(product, c, e.dtype) if product is not None else e.new_empty(0)
+    grad_e = (scales.grad_e(_product_in_head(buffer, num_tokens, dim), c, e.dtype)
+              if needs_grad_e else e.new_empty(0))
     grad_bias = (scales.grad_bias(gradient_t, bias.dtype) if bias is not None
                  else e.new_empty(0))
     scaled_e = scales.scaled_e(e)
@@ -346,9 +356,9 @@ def dense_backward_in_grad_c(e: torch.Tensor, c: torch.Tensor, bias: Optional[to
 
 
 @dense_backward_in_grad_c.register_fake
-def _dense_backward_in_grad_c_fake(e, c, bias, targets, weight, buffer, product, grad_loss,
-                                   grad_lse):
-    return (e.new_empty(e.shape if product is not None else (0,)),
+def _dense_backward_in_grad_c_fake(e, c, bias, targets, weight, buffer, needs_grad_e,
+                                   grad_loss, grad_lse):
+    return (e.new_empty(e.shape if needs_grad_e else (0,)),
             c.new_empty(bias.shape if bias is not None else (0,)))
 
 
@@ -356,36 +366,37 @@ def _setup_context(ctx, inputs, output) -> None:
     # dense_forward's inputs, or the autograd.Function's, which add dC's buffer (or None).
     e, c, bias, targets, weight, _, *buffer = inputs
     buffer = buffer[0] if buffer else None
-    _, _, kept = output  # G (N, V), or G C (N, D) with G^T in dC's buffer
-    ctx.mark_non_differentiable(kept)
     ctx.set_materialize_grads(False)
     ctx.in_grad_c = buffer is not None
-    ctx.save_for_backward(e, c, bias, targets, weight,
-                          *((buffer, kept) if ctx.in_grad_c else (kept, None)))
+    if ctx.in_grad_c:
+        kept = buffer  # G^T at its tail, G C at its head
+    else:
+        _, _, kept = output  # G (N, V)
+        ctx.mark_non_differentiable(kept)
+    ctx.save_for_backward(e, c, bias, targets, weight, kept)
     ctx.consumed = False
 
 
-def _backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], _):
+def _backward(ctx, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], *_):
     if ctx.in_grad_c and ctx.consumed:
         raise RuntimeError(
             "memory='fast' at this size kept the logits' gradient in dC's memory and the first "
             "backward wrote dC over it: a second backward through the same graph is not "
             "supported (call the loss again, or use memory='low')")
-    e, c, bias, targets, weight, gradient, product = ctx.saved_tensors
+    e, c, bias, targets, weight, kept = ctx.saved_tensors
     needs_e, needs_c, needs_bias = ctx.needs_input_grad[:3]
     with torch.no_grad():
         if ctx.in_grad_c:
             ctx.consumed = True
             grad_e, grad_bias = dense_backward_in_grad_c(
-                e, c, bias, targets, weight, gradient, product if needs_e else None,
-                grad_loss, grad_lse)
-            grad_c = gradient.view(c.shape)
+                e, c, bias, targets, weight, kept, needs_e, grad_loss, grad_lse)
+            grad_c = kept.view(c.shape)
         else:
             grad_e, grad_c, grad_bias = dense_backward(
-                e, c, bias, targets, weight, gradient, grad_loss, grad_lse,
+                e, c, bias, targets, weight, kept, grad_loss, grad_lse,
                 needs_grad_e=needs_e, needs_grad_c=needs_c or needs_bias)
-    # The saved tensors' last references but dC's: autograd may take dC as c.grad.
-    del gradient, product
+    # The saved tensors' last reference but dC's: autograd may take dC as c.grad.
+    del kept
     gradients = differentiable_once(
         [grad if needed else None
          for grad, needed in ((grad_e, needs_e), (grad_c, needs_c), (grad_bias, needs_bias))],
@@ -430,8 +441,8 @@ def start_dense_loss(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tens
         needs_grad = needs_gradient(e, c, bias)
         arguments = (e, c, bias if bias is None else bias.contiguous(), targets.contiguous(),
                      weighting.weight, needs_grad)
-        loss, lse, _ = (_DenseLinearCrossEntropy.apply(*arguments, buffer) if needs_grad
-                        else dense_forward(*arguments))
+        loss, lse = (_DenseLinearCrossEntropy.apply(*arguments, buffer) if needs_grad
+                     else dense_forward(*arguments))[:2]
         return TokenOutputs(loss, lse)
 
     return StartedLoss(loss, queued_before)
