@@ -27,7 +27,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """Without a GPU, run the tests on every core (at most ``MAX_CPU_WORKERS``) through
     pytest-xdist, when it is installed and the command line chose no ``-n``: the interpreter
     keeps a single core busy. (On a GPU machine, ``-n`` is for the caller to choose.) This runs
-    before xdist's own configure hook, which starts the workers."""
+    before xdist's own configure hook, which starts the workers. Tests of one ``xdist_group``
+    (a module whose fixture runs an experiment) share a worker, so that it runs once."""
+    config.addinivalue_line("markers", "slow: one of the suite's longest tests (tens of seconds "
+                            "on two cores), collected first so that workers start it early")
     if (DEVICE == "cuda" or not config.pluginmanager.has_plugin("xdist")
             or hasattr(config, "workerinput") or config.getoption("numprocesses") is not None
             or config.getoption("dist") != "no" or config.getoption("collectonly")):
@@ -35,8 +38,14 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = min(os.cpu_count() or 1, MAX_CPU_WORKERS)
     if workers > 1:
         config.option.numprocesses = workers
-        config.option.dist = "load"
+        config.option.dist = "loadgroup"
         config.option.tx = ["popen"] * workers
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked slow first, each group in collection order: started last, one of them would
+    run alone on one core at the end of a parallel run."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ EPS = 2.0**-12
 TINY = dict(n_tokens=64, vocab_size=256, dim=32)
 
 
+@pytest.mark.slow
 def test_quick_mode_writes_a_finite_row_for_every_method(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("matplotlib")  # for bench.png

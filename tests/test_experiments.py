@@ -19,6 +19,7 @@ TINY_SIZE = dict(n_tokens=64, vocab_size=256, dim=32)
 ERROR_COLUMNS = ("loss_rel_err", "de_rel_err", "dc_rel_err")
 
 
+@pytest.mark.slow
 def test_compare_impls_writes_a_finite_accurate_row_for_every_variant(tmp_path: Path) -> None:
     import cce
     from experiments import compare_impls
@@ -319,6 +320,7 @@ def test_log_axes_are_labelled_with_plain_numbers() -> None:
     plt.close(figure)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / ".git").exists(),
                     reason="compares git revisions: needs a git checkout")
 def test_ab_compares_a_revision_with_the_tree_in_one_process(

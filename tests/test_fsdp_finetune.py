@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 TIMEOUT_S = 600
 
 
+@pytest.mark.slow
 def test_sharded_training_follows_the_single_device_run(tmp_path: Path) -> None:
     if torch.cuda.device_count() == 1:
         # Its ranks would run on the CPU in Triton's interpreter, which in Triton 3.6 stops on

@@ -25,6 +25,7 @@ def test_committed_notebook_holds_the_outputs_of_a_full_run() -> None:
     assert '"image/png"' in outputs
 
 
+@pytest.mark.slow
 def test_notebook_runs_top_to_bottom_in_fast_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -17,6 +17,9 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+# The module fixture runs the three tables' experiments: its tests run first, on one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tables")]
+
 MIB = 2**20
 TINY = dict(n_tokens=64, vocab_size=256, dim=32)
 TABLES = ("table1", "table_a2", "table_a1")

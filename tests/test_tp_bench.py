@@ -20,6 +20,7 @@ from tests.distributed import run_torchrun
 TIMEOUT_S = 600
 
 
+@pytest.mark.slow
 def test_two_ranks_at_quick_size_write_agreeing_results(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # One timed call, no warm-up (each method's first call, which gives its results, warms it):

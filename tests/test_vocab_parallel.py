@@ -274,6 +274,7 @@ def ranks_worker(rank: int, world_size: int) -> None:
         bad_arguments_worker(rank, world_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_rank_gets_the_unsharded_results(world_size: int, tmp_path: Path) -> None:
     """Every case of CASES, then the tile skipping of shards_skip_negligible_tiles, confident
