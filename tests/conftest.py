@@ -27,8 +27,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Without a GPU, run the tests on every core (at most ``MAX_CPU_WORKERS``) through
     pytest-xdist, when it is installed and the command line chose no ``-n``: the interpreter
     keeps a single core busy. (On a GPU machine, ``-n`` is for the caller to choose.) This runs
-    before xdist's own configure hook, which starts the workers. Tests of one ``xdist_group``
-    (a module whose fixture runs an experiment) share a worker, so that it runs once."""
+    before xdist's own configure hook, which starts the workers."""
     config.addinivalue_line("markers", "slow: one of the suite's longest tests (tens of seconds "
                             "on two cores), collected first so that workers start it early")
     if (DEVICE == "cuda" or not config.pluginmanager.has_plugin("xdist")
@@ -38,7 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = min(os.cpu_count() or 1, MAX_CPU_WORKERS)
     if workers > 1:
         config.option.numprocesses = workers
-        config.option.dist = "loadgroup"
+        config.option.dist = "load"
         config.option.tx = ["popen"] * workers
 
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-# The module fixture runs the experiment (tens of seconds): its tests run first, on one worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("alpaca_finetune")]
+# The module fixture runs the experiment (tens of seconds): its tests run first.
+pytestmark = pytest.mark.slow
 
 IGNORE_INDEX = -100
 RECORDS = [

@@ -17,8 +17,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-# The module fixture runs the three tables' experiments: its tests run first, on one worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tables")]
+# The module fixture runs the three tables' experiments: its tests run first.
+pytestmark = pytest.mark.slow
 
 MIB = 2**20
 TINY = dict(n_tokens=64, vocab_size=256, dim=32)
