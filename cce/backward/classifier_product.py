@@ -238,20 +238,24 @@ if gluon is not None:
                  mask=row_mask[:, None] & (out_dims < io.dim)[None, :])
 
 
+def row_descriptor(rows: torch.Tensor, depth: int, block_out: int) -> "TensorDescriptor":
+    """The TMA descriptor by which a Hopper product's producer copies ``depth`` consecutive rows
+    of its 16-bit operand (e for dC, c in position order for dE), ``block_out`` columns each."""
+    layout = gl.NVMMASharedLayout.get_default_for(
+        [depth, block_out], gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [depth, block_out],
+                            layout)
+
+
 def launch(tiles: ProductTiles, io: ProductIO, settings: ProductSettings,
            segments_per_page: int, chunk_slots: bool) -> None:
     """The dC product of :func:`cce.backward.sparse_tile_matmul.multiply`'s launch groups
     (``io.operand`` is e; no bias gradient or rank-one term), where the plan chose this kernel
     (``settings.by_tma``, after :func:`usable`)."""
     config, block, block_out = settings.config, settings.grid.block_tokens, settings.block_out
-    e = io.operand
-    layout = gl.NVMMASharedLayout.get_default_for(
-        [config.step_depth, block_out], gl.bfloat16 if e.dtype == torch.bfloat16 else gl.float16)
-    e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [config.step_depth, block_out],
-                              layout)
     programs = tiles.num_out_blocks * cdiv(io.dim, block_out)
     classifier_product_kernel[(programs,)](
-        e_desc, tiles, io,
+        row_descriptor(io.operand, config.step_depth, block_out), tiles, io,
         CHUNK_SLOTS=chunk_slots, SEGMENTS_PER_PAGE=segments_per_page, BLOCK=block,
         BLOCK_OUT=block_out, DEPTH=config.step_depth, STAGES=config.num_stages,
         PRODUCER_WARPS=_PRODUCER_WARPS, PRODUCER_REGISTERS=_PRODUCER_REGISTERS,

@@ -41,10 +41,10 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from cce.backward.classifier_product import (accumulator_layout, multiply_steps,
-                                                 segment_starts, stage_barriers)
+                                                 row_descriptor, segment_starts,
+                                                 stage_barriers)
 except ImportError:  # a Triton without Gluon: the Triton kernels run instead
     gluon = None
 
@@ -185,14 +185,10 @@ def launch(tiles: ProductTiles, io: ProductIO, correction: Optional[FilterCorrec
     is c with its rows in position order, ``tiles.slot_map`` given; no rank-one term or split),
     where the plan chose this kernel (``settings.by_tma``, after :func:`usable`)."""
     config, block, block_out = settings.config, settings.grid.block_tokens, settings.block_out
-    c = io.operand
-    layout = gl.NVMMASharedLayout.get_default_for(
-        [config.step_depth, block_out], gl.bfloat16 if c.dtype == torch.bfloat16 else gl.float16)
-    c_desc = TensorDescriptor(c, list(c.shape), list(c.stride()), [config.step_depth, block_out],
-                              layout)
     programs = tiles.num_out_blocks * cdiv(io.dim, block_out)
     embeddings_product_kernel[(programs,)](
-        c_desc, tiles, io, correction or FilterCorrection(None, None, None),
+        row_descriptor(io.operand, config.step_depth, block_out), tiles, io,
+        correction or FilterCorrection(None, None, None),
         SEGMENTS_PER_PAGE=segments_per_page, BLOCK=block, BLOCK_OUT=block_out,
         DEPTH=config.step_depth, STAGES=config.num_stages, PRODUCER_WARPS=_PRODUCER_WARPS,
         PRODUCER_REGISTERS=_PRODUCER_REGISTERS, num_warps=config.num_warps,

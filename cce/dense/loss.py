@@ -117,7 +117,7 @@ def dense_forward_in_grad_c(e: torch.Tensor, c: torch.Tensor, bias: Optional[tor
     """(per-token loss, lse) as :func:`dense_forward`, with ``G^T`` written to the tail of dC's
     flat ``buffer`` (:func:`_transposed_view`), whose head holds the first chunk's float32
     logits (:func:`queue_first_logits`), then, when ``needs_grad_e``, ``G C`` (float32 (N, D),
-    :func:`_product_in_head`): dE's product before its row scales needs no upstream gradient,
+    :func:`_float32_in_head`): dE's product before its row scales needs no upstream gradient,
     so it is queued here, and the GPU runs it while the host returns the loss and starts the
     backward. No registered autograd formula (PyTorch takes none for an op that mutates an
     input): :class:`_DenseLinearCrossEntropy` carries it."""
@@ -125,7 +125,7 @@ def dense_forward_in_grad_c(e: torch.Tensor, c: torch.Tensor, bias: Optional[tor
     loss, lse, _ = _dense_forward(e, c, bias, targets, weight, True, buffer)
     if needs_grad_e:
         _float32_product(_transposed_view(buffer, num_tokens, c.shape[0]).T, c,
-                         _product_in_head(buffer, num_tokens, dim))
+                         _float32_in_head(buffer, num_tokens, dim))
     return loss, lse
 
 
@@ -156,7 +156,7 @@ def _dense_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor
         if buffer is None:
             logits = _float32_product(e[start:stop], c.T)
         else:
-            logits = _logits_in_head(buffer, stop - start, vocab_size)
+            logits = _float32_in_head(buffer, stop - start, vocab_size)
             if start:  # the first chunk's are queued before the call
                 _float32_product(e[start:stop], c.T, logits)
         other_lse[start:stop], target_logit[start:stop] = softmax_gradient(
@@ -180,13 +180,15 @@ def queue_first_logits(e: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     buffer = torch.empty(vocab_size * dim, dtype=c.dtype, device=e.device)
     rows = min(num_tokens, _logit_rows_in_head(num_tokens, dim))
     with torch.no_grad():
-        _float32_product(e[:rows], c.T, _logits_in_head(buffer, rows, vocab_size))
+        _float32_product(e[:rows], c.T, _float32_in_head(buffer, rows, vocab_size))
     return buffer
 
 
-def _logits_in_head(buffer: torch.Tensor, rows: int, vocab_size: int) -> torch.Tensor:
-    """(rows, V) float32 logits at the head of dC's flat 16-bit buffer."""
-    return buffer[:2 * rows * vocab_size].view(torch.float32).view(rows, vocab_size)
+def _float32_in_head(buffer: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A (rows, columns) float32 matrix at the head of dC's flat 16-bit buffer: a chunk's
+    logits in the forward (columns V), then G C (N x D) once they are consumed; dE reads G C
+    before the backward's first segment of dC overwrites it."""
+    return buffer[:2 * rows * columns].view(torch.float32).view(rows, columns)
 
 
 def _float32_product(a: torch.Tensor, b: torch.Tensor,
@@ -198,12 +200,6 @@ def _float32_product(a: torch.Tensor, b: torch.Tensor,
     if out is None:
         return torch.mm(a.float(), b.float())
     return torch.mm(a.float(), b.float(), out=out)
-
-
-def _product_in_head(buffer: torch.Tensor, num_tokens: int, dim: int) -> torch.Tensor:
-    """G C, float32 (N, D), at the head of dC's flat buffer once the forward's logits are
-    consumed; dE reads it before the backward's first segment of dC overwrites it."""
-    return buffer[:2 * num_tokens * dim].view(torch.float32).view(num_tokens, dim)
 
 
 def _logit_rows_in_head(num_tokens: int, dim: int) -> int:
@@ -319,7 +315,7 @@ def dense_backward_in_grad_c(e: torch.Tensor, c: torch.Tensor, bias: Optional[to
     vocab_size = c.shape[0]
     scales = _RowScales(targets, weight, grad_loss, grad_lse, vocab_size, e.dtype)
     gradient_t = _transposed_view(buffer, num_tokens, vocab_size)
-    grad_e = (scales.grad_e(_product_in_head(buffer, num_tokens, dim), c, e.dtype)
+    grad_e = (scales.grad_e(_float32_in_head(buffer, num_tokens, dim), c, e.dtype)
               if needs_grad_e else e.new_empty(0))
     grad_bias = (scales.grad_bias(gradient_t, bias.dtype) if bias is not None
                  else e.new_empty(0))
